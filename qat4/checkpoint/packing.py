@@ -1,0 +1,173 @@
+"""The one packed int4 layout, and exact recovery of the trained 4-bit grid from 16-bit values.
+
+Layout (compressed-tensors order): a matrix W [rows, cols] (cols a multiple of 32) is
+- `packed` int32 [rows, cols // 8]: column c = 8j + i lives in word j, bits 4i..4i+3, as the biased
+  code `level + 8` (0..15), level in -8..7;
+- `scales` fp16 or bf16 [rows, cols // 32]: W[r, c] = scales[r, c // 32] * level.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qat4.errors import Qat4Error
+
+GROUP = 32
+PER_WORD = 8
+_ROW_CHUNK_ELEMENTS = 1 << 24  # elements handled at once by the chunked helpers
+
+
+@dataclass
+class PackedTensor:
+    """A matrix on the 4-bit grid: int32 words [rows, cols/8] and group steps [rows, cols/32]."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.packed.shape[1] * PER_WORD
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * 4 + self.scales.numel() * self.scales.element_size()
+
+    def levels(self) -> torch.Tensor:
+        """int8 [rows, cols] in -8..7."""
+        return unpack_levels(self.packed)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[rows, cols] in `dtype`: scale x level, computed in fp32 (exact for on-grid values)."""
+        return dequantize(self.packed, self.scales, dtype)
+
+    def to(self, device=None, scale_dtype: torch.dtype | None = None) -> "PackedTensor":
+        scales = self.scales if scale_dtype is None else self.scales.to(scale_dtype)
+        return PackedTensor(self.packed.to(device), scales.to(device))
+
+    def cat_rows(self, *others: "PackedTensor") -> "PackedTensor":
+        """Stack along the output dimension (q/k/v or gate/up fusion): exact, no repacking."""
+        parts = (self, *others)
+        return PackedTensor(
+            torch.cat([p.packed for p in parts]), torch.cat([p.scales.to(self.scales.dtype) for p in parts])
+        )
+
+
+def pack_levels(levels: torch.Tensor) -> torch.Tensor:
+    """int levels [rows, cols] in -8..7 -> int32 words [rows, cols / 8]."""
+    rows, cols = levels.shape
+    codes = (levels.to(torch.int32) + 8).reshape(rows, cols // PER_WORD, PER_WORD)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=levels.device)
+    # Bits 28..31 of nibble 7 overflow int32's sign; summing shifted codes in int64 then
+    # narrowing keeps the exact bit pattern.
+    words = (codes.to(torch.int64) << shifts.to(torch.int64)).sum(dim=-1)
+    return (words - ((words >> 31) << 32)).to(torch.int32)
+
+
+def unpack_levels(packed: torch.Tensor) -> torch.Tensor:
+    """int32 words [rows, cols / 8] -> int8 levels [rows, cols] in -8..7."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    codes = (packed.unsqueeze(-1) >> shifts) & 0xF
+    return (codes - 8).to(torch.int8).reshape(packed.shape[0], -1)
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed words [rows, cols/8] and steps [rows, cols/32] -> dense [rows, cols] in `dtype`."""
+    rows = packed.shape[0]
+    levels = unpack_levels(packed).to(torch.float32).reshape(rows, -1, GROUP)
+    return (levels * scales.to(torch.float32).unsqueeze(-1)).reshape(rows, -1).to(dtype)
+
+
+@dataclass
+class GridReport:
+    """How well a 16-bit tensor's values are reproduced by the recovered levels and steps."""
+
+    name: str
+    elements: int = 0
+    groups: int = 0
+    exact: int = 0  # values whose reconstruction is bit-identical to the source
+    worst_ulp_steps: float = 0.0  # worst |reconstructed - source| in units of the group step
+
+    def add(self, other: "GridReport") -> None:
+        self.elements += other.elements
+        self.groups += other.groups
+        self.exact += other.exact
+        self.worst_ulp_steps = max(self.worst_ulp_steps, other.worst_ulp_steps)
+
+    @property
+    def exact_share(self) -> float:
+        return self.exact / self.elements if self.elements else 1.0
+
+
+def recover_grid(
+    weight: torch.Tensor, name: str, scale_dtype: torch.dtype = torch.float16
+) -> tuple[PackedTensor, GridReport]:
+    """Recover the trained (level, step) of every group of 32 along each row of a 16-bit matrix.
+
+    weight: [rows, cols] bf16/fp16/fp32 whose groups are `step x level` up to 16-bit rounding.
+    Per group: for m = 1..8 try step = amax / m and keep the first that reproduces every value
+    within 2^-7 amax with levels in -8..7 (amax / 8 alone is wrong whenever the peak is not at
+    level -8); refine the step by least squares, round it to `scale_dtype`, recompute the levels.
+    Raises Qat4Error naming the tensor and the first off-grid group. Works in row chunks.
+    """
+    if weight.dim() != 2 or weight.shape[1] % GROUP:
+        raise Qat4Error(f"tensor {name} has shape {tuple(weight.shape)}; a 4-bit matrix needs 2 dims and columns a multiple of {GROUP}")
+    rows, cols = weight.shape
+    chunk = max(1, _ROW_CHUNK_ELEMENTS // cols)
+    packed_parts, scale_parts = [], []
+    report = GridReport(name)
+    for start in range(0, rows, chunk):
+        block = weight[start : start + chunk]
+        levels, steps, part = _recover_block(block, name, start, scale_dtype)
+        packed_parts.append(pack_levels(levels))
+        scale_parts.append(steps)
+        report.add(part)
+    return PackedTensor(torch.cat(packed_parts), torch.cat(scale_parts)), report
+
+
+def _recover_block(block: torch.Tensor, name: str, row0: int, scale_dtype: torch.dtype):
+    rows, cols = block.shape
+    w = block.to(torch.float32).reshape(rows, cols // GROUP, GROUP)
+    amax = w.abs().amax(dim=-1, keepdim=True)
+    tol = amax * 2.0**-7
+    step = torch.zeros_like(amax)
+    found = amax == 0  # an all-zero group is level 0 at any step
+    for m in range(1, 9):
+        trial = amax / m
+        q = torch.round(w / torch.where(trial == 0, 1.0, trial))
+        ok = ((q >= -8) & (q <= 7) & ((w - q * trial).abs() <= tol)).all(dim=-1, keepdim=True)
+        take = ok & ~found
+        step = torch.where(take, trial, step)
+        found |= ok
+    if not bool(found.all()):
+        flat = int((~found).reshape(-1).nonzero()[0])
+        row, group = divmod(flat, cols // GROUP)
+        raise Qat4Error(
+            f"tensor {name} is off the 4-bit grid at row {row0 + row}, group {group} "
+            f"(columns {group * GROUP}..{group * GROUP + GROUP - 1}): no step reproduces its 32 values"
+        )
+    safe = torch.where(step == 0, 1.0, step)
+    q = torch.round(w / safe)
+    denom = (q * q).sum(-1, keepdim=True)
+    refined = torch.where(denom > 0, (q * w).sum(-1, keepdim=True) / torch.where(denom > 0, denom, 1.0), 0.0)
+    stored = refined.to(scale_dtype)
+    stored_f = stored.to(torch.float32)
+    levels = torch.where(stored_f == 0, 0.0, torch.round(w / torch.where(stored_f == 0, 1.0, stored_f)))
+    if bool(((levels < -8) | (levels > 7)).any()):
+        flat = int(((levels < -8) | (levels > 7)).any(-1).reshape(-1).nonzero()[0])
+        row, group = divmod(flat, cols // GROUP)
+        raise Qat4Error(f"tensor {name} row {row0 + row}, group {group} needs a level outside -8..7 once its step is stored as {scale_dtype}")
+    recon = levels * stored_f
+    exact = (recon.to(block.dtype) == block.reshape(rows, -1, GROUP)).sum()
+    worst = ((recon - w).abs() / torch.where(stored_f == 0, 1.0, stored_f)).max()
+    report = GridReport(name, elements=rows * cols, groups=rows * cols // GROUP, exact=int(exact), worst_ulp_steps=float(worst))
+    return levels.to(torch.int8).reshape(rows, cols), stored.reshape(rows, cols // GROUP), report
