@@ -1,0 +1,257 @@
+"""`qat4 bench`: decode speed at several context depths, prompt speed, memory, and the roofline.
+
+Decode is bandwidth-bound, so every decode figure is also given as a fraction of its roofline:
+bytes read per token (every 4-bit matrix including the output layer, plus the KV entries the
+attention reads at that depth) over the card's read bandwidth, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from qat4.checkpoint.packed_model import expected_tensors
+from qat4.checkpoint.packing import GROUP
+from qat4.config import Gemma4Config
+from qat4.engine import GREEDY, Engine
+
+MIB = 1 << 20
+ROW_LOOKUPS = ("embed_tokens_per_layer", "embed_tokens")
+
+
+@dataclass
+class DepthResult:
+    depth: int  # tokens held in the cache before decoding starts
+    decode_tok_s: float
+    ms_per_token: float
+    bytes_per_token: int
+    roofline_tok_s: float
+
+    @property
+    def roofline_fraction(self) -> float:
+        return self.decode_tok_s / self.roofline_tok_s
+
+
+@dataclass
+class BenchReport:
+    model: str
+    device: str
+    dtype: str
+    read_bandwidth_gb_s: float
+    model_mib: float
+    kv_cache_mib: float
+    max_ctx: int
+    prompt_tokens: int
+    prompt_tok_s: float
+    ttft_ms: float
+    depths: list[DepthResult] = field(default_factory=list)
+    peak_mib: float = 0.0
+    memory_cap_mib: float | None = None
+    peers: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        for d, res in zip(out["depths"], self.depths):
+            d["roofline_fraction"] = res.roofline_fraction
+        return out
+
+
+def weight_bytes_per_token(config: Gemma4Config, scale_bytes: int = 2) -> int:
+    """Bytes of every 4-bit matrix a decode step streams: all linears and the output layer
+    (the per-layer table and the input embedding are row lookups)."""
+    total = 0
+    for name, spec in expected_tensors(config).items():
+        if spec.packed and name not in ROW_LOOKUPS:
+            rows, cols = spec.shape
+            total += rows * cols // 2 + rows * cols // GROUP * scale_bytes
+    rows, cols = config.vocab_size, config.hidden_size
+    return total + rows * cols // 2 + rows * cols // GROUP * scale_bytes
+
+
+def kv_bytes_per_token(engine: Engine, depth: int) -> int:
+    """K and V bytes the 35 attention reads touch when the token at position `depth` decodes."""
+    cfg, item = engine.config, engine.dtype.itemsize
+    total = 0
+    for layer in range(cfg.num_hidden_layers):
+        seen = depth + 1 if not cfg.is_sliding(layer) else min(depth + 1, cfg.sliding_window)
+        total += 2 * seen * cfg.layer_head_dim(layer) * item
+    return total
+
+
+def measure_read_bandwidth(device: torch.device, gib: float = 4.0, repeats: int = 20) -> float:
+    """Read bandwidth in bytes/s: median time of a sum over `gib` GiB of bf16."""
+    x = torch.randn(int(gib * (1 << 30)) // 2, device=device, dtype=torch.bfloat16)
+    times = [_timed(device, lambda: x.sum(dtype=torch.float32)) for _ in range(repeats + 3)][3:]
+    del x
+    return gib * (1 << 30) / statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(device: torch.device, fn, times: int = 1) -> float:
+    """Seconds for `times` calls of fn, the device drained before and after."""
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(times):
+        fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def fill(engine: Engine, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Prefill `tokens` from position `start` in the engine's chunks; returns the last hidden [1, D]."""
+    h = None
+    for s in range(0, tokens.numel(), engine.prefill_chunk):
+        h = engine.model.prefill(tokens[s : s + engine.prefill_chunk], start + s, engine.cache)
+    return h[-1:]
+
+
+@torch.no_grad()
+def time_prompt(engine: Engine, n: int, generator: torch.Generator) -> tuple[float, float]:
+    """(prompt tok/s, time to first token in ms) for an n-token prompt from an empty cache;
+    the best of two passes after a first one that compiles and tunes the kernels."""
+    ids = _random_ids(engine, n, generator)
+    results = []
+    for _ in range(3):
+        engine.cache.reset()
+        hidden = []
+        read = _timed(engine.device, lambda: hidden.append(fill(engine, ids)))
+        first = _timed(engine.device, lambda: engine.model.argmax(hidden[0]).item())
+        results.append((n / read, (read + first) * 1e3))
+    return max(results[1:], key=lambda r: r[0])
+
+
+@torch.no_grad()
+def time_decode(engine: Engine, depth: int, new: int, generator: torch.Generator) -> float:
+    """Seconds per decoded token, averaged over `new` greedy decode steps (graph replays on
+    CUDA) with `depth` tokens already held."""
+    engine.cache.reset()
+    if depth:
+        fill(engine, _random_ids(engine, depth, generator))
+    step = engine.step
+    step.token.copy_(_random_ids(engine, 1, generator))
+    step.pos.fill_(depth)
+    step.run(GREEDY)  # one warm step
+    return _timed(engine.device, lambda: step.run(GREEDY), times=new) / new
+
+
+def _random_ids(engine: Engine, n: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(3, engine.config.vocab_size, (n,), generator=generator).to(engine.device)
+
+
+def run(engine: Engine, model_name: str, depths: list[int], new: int, prompt: int,
+        memory_cap_mib: float | None = None, log=print) -> BenchReport:
+    """Measure everything on one engine; `log` receives progress lines."""
+    device = engine.device
+    g = torch.Generator().manual_seed(0)
+    log("measuring read bandwidth")
+    small = memory_cap_mib is not None or device.type != "cuda"
+    bandwidth = measure_read_bandwidth(device, gib=0.25 if small else 4.0)
+    engine.step.prepare(GREEDY)
+    log(f"reading a {prompt}-token prompt")
+    prompt_tok_s, ttft = time_prompt(engine, prompt, g)
+    weights = weight_bytes_per_token(engine.config)
+    report = BenchReport(
+        model=model_name, device=_device_name(device), dtype=str(engine.dtype).replace("torch.", ""),
+        read_bandwidth_gb_s=bandwidth / 1e9, model_mib=engine.nbytes["model"] / MIB,
+        kv_cache_mib=engine.nbytes["kv_cache"] / MIB, max_ctx=engine.max_ctx, prompt_tokens=prompt,
+        prompt_tok_s=prompt_tok_s, ttft_ms=ttft, memory_cap_mib=memory_cap_mib,
+    )
+    for depth in depths:
+        depth = min(depth, engine.max_ctx - new - 1)
+        log(f"decoding {new} tokens at depth {depth}")
+        sec = time_decode(engine, depth, new, g)
+        nbytes = weights + kv_bytes_per_token(engine, depth)
+        report.depths.append(DepthResult(depth, 1 / sec, sec * 1e3, nbytes, bandwidth / nbytes))
+    report.peak_mib = torch.cuda.max_memory_allocated(device) / MIB if device.type == "cuda" else 0.0
+    engine.cache.reset()
+    return report
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+def format_table(report: BenchReport) -> str:
+    lines = [
+        f"model {report.model} on {report.device} ({report.dtype}), read bandwidth {report.read_bandwidth_gb_s:,.0f} GB/s",
+        f"model on GPU {report.model_mib:,.0f} MiB, KV cache {report.kv_cache_mib:,.0f} MiB for {report.max_ctx:,} tokens, "
+        f"peak {report.peak_mib:,.0f} MiB" + (f" (cap {report.memory_cap_mib:g} MiB)" if report.memory_cap_mib else ""),
+        f"prompt {report.prompt_tokens:,} tokens: {report.prompt_tok_s:,.0f} tok/s, time to first token {report.ttft_ms:,.1f} ms",
+        "",
+        f"{'depth':>8} {'decode tok/s':>13} {'ms/token':>9} {'MB/token':>9} {'roofline tok/s':>15} {'of roofline':>12}",
+    ]
+    for d in report.depths:
+        lines.append(f"{d.depth:>8,} {d.decode_tok_s:>13,.1f} {d.ms_per_token:>9.3f} {d.bytes_per_token / 1e6:>9,.1f} "
+                     f"{d.roofline_tok_s:>15,.0f} {d.roofline_fraction:>11.1%}")
+    for name, peer in report.peers.items():
+        lines.append(f"peer {name}: " + ", ".join(f"{k} {v:,.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in peer.items()))
+    return "\n".join(lines)
+
+
+def write_plot(report: BenchReport, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = [max(d.depth, 1) for d in report.depths]
+    ax.plot(xs, [d.decode_tok_s for d in report.depths], "o-", label="qat4 decode")
+    ax.plot(xs, [d.roofline_tok_s for d in report.depths], "--", color="gray", label="bandwidth roofline")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens held in the KV cache")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"{report.model} on {report.device}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def save_json(report: BenchReport, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report.to_json(), f, indent=2)
+
+
+def progress(line: str) -> None:
+    print(f"[bench] {line}", file=sys.stderr, flush=True)
+
+
+@torch.no_grad()
+def run_hf_peer(packed, device: torch.device, prompt: int, new: int, report: BenchReport, log=print) -> dict:
+    """transformers' Gemma4ForCausalLM (bf16, eager attention, dynamic cache) on the same weights:
+    decode tok/s after a 16-token prompt, prompt tok/s, and qat4's ratios over both."""
+    from qat4.reference import hf_model
+
+    log("building transformers' Gemma 4 in bf16 on the same weights")
+    hf = hf_model(packed, torch.bfloat16, device)
+    g = torch.Generator().manual_seed(1)
+    short = torch.randint(3, packed.config.vocab_size, (1, 16), generator=g).to(device)
+
+    def generate(n: int) -> None:
+        hf.generate(short, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    log(f"transformers: decoding {new} tokens")
+    generate(2)
+    decode_s = (_timed(device, lambda: generate(new)) - _timed(device, lambda: generate(1))) / (new - 1)
+    ids = torch.randint(3, packed.config.vocab_size, (1, prompt), generator=g).to(device)
+    log(f"transformers: reading a {prompt}-token prompt")
+    hf(ids[:, :16])
+    prompt_s = _timed(device, lambda: hf(ids, logits_to_keep=1))
+    peer = {"decode_tok_s": 1 / decode_s, "prompt_tok_s": prompt / prompt_s,
+            "peak_mib": torch.cuda.max_memory_allocated(device) / MIB if device.type == "cuda" else 0.0}
+    if report.depths:
+        peer["qat4_decode_ratio"] = report.depths[0].decode_tok_s * decode_s
+    peer["qat4_prompt_ratio"] = report.prompt_tok_s * prompt_s / prompt
+    del hf
+    return peer

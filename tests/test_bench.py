@@ -1,0 +1,54 @@
+"""`qat4 bench`: the byte counts behind the roofline, and the command end to end on the CPU."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qat4.bench import kv_bytes_per_token, weight_bytes_per_token
+from qat4.config import E2B
+
+
+def test_weight_bytes_per_token_is_the_all_int4_e2b_figure():
+    # Every layer matrix, per_layer_model_projection and the int4 output layer, fp16 steps.
+    assert weight_bytes_per_token(E2B) == 1_282_203_648
+
+
+def test_kv_bytes_read_follow_the_window_and_the_full_layers():
+    class FakeEngine:
+        config, dtype = E2B, torch.bfloat16
+
+    n = 32_768
+    # 7 full layers read n + 1 positions of 512-wide K and V; 28 sliding layers read the 512-slot window.
+    expected = 7 * (n + 1) * 2 * 512 * 2 + 28 * 512 * 2 * 256 * 2
+    assert kv_bytes_per_token(FakeEngine, n) == expected
+    assert kv_bytes_per_token(FakeEngine, 0) == 7 * 2 * 512 * 2 + 28 * 2 * 256 * 2
+
+
+def test_bench_command_on_the_cpu(tmp_path):
+    out = tmp_path / "bench.json"
+    plot = tmp_path / "bench.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "qat4.cli", "bench", "--model", "synthetic:tiny", "--device", "cpu",
+         "--depths", "0,16", "--new", "2", "--prompt", "16", "--json", str(out), "--plot", str(plot)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "decode tok/s" in proc.stdout and "of roofline" in proc.stdout
+    report = json.loads(out.read_text())
+    assert [d["depth"] for d in report["depths"]] == [0, 16]
+    assert all(d["decode_tok_s"] > 0 and 0 < d["roofline_fraction"] for d in report["depths"])
+    assert plot.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--depths", "0,x"], "--depths must be comma-separated integers"),
+    (["--model", "synthetic:huge"], "unknown synthetic preset"),
+])
+def test_bench_bad_arguments_are_one_line(args, message):
+    base = ["bench", "--model", "synthetic:tiny", "--device", "cpu"]
+    proc = subprocess.run([sys.executable, "-m", "qat4.cli", *base, *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert message in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: install the wheels it lacks (carried in .whl/), run the GPU tests,
+# the kernel micro-benchmarks and `qat4 bench`, and leave every log under $OUT (default ./out).
+#   usage: tools/gpu_check.sh [tests|kernels|bench|all]...   (default: all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+qat4() { python3 -m qat4.cli "$@"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
+
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
+want() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 0; done; return 1; }
+
+if want tests; then
+    python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+fi
+if want kernels; then
+    python3 tools/bench_w4.py 2>&1 | tee "$OUT/bench_w4.log" | tail -30
+    python3 tools/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" | tail -20
+fi
+if want bench; then
+    qat4 bench --model synthetic:e2b --depths 0,4096,32768,131072 --new 128 --prompt 4096 \
+        --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -20
+    qat4 bench --model synthetic:e2b --depths 131072 --new 64 --prompt 4096 --memory-cap-mib 3732 \
+        --json "$OUT/bench_cap.json" 2>&1 | tee "$OUT/bench_cap.log" | tail -8
+fi
