@@ -1,0 +1,402 @@
+"""Prompt rendering against the canonical Gemma 4 template, and reply parsing (whole and streamed)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import random
+from pathlib import Path
+
+import jinja2
+import pytest
+
+from qat4.chat import Reply, ReplyStream, default_chat_template, parse_reply, render_prompt
+from qat4.errors import Qat4Error
+
+
+def _shared_dir() -> Path:
+    """The project's shared reference folder: ./shared in the checkout, else ../shared."""
+    root = Path(__file__).resolve().parents[1]
+    return next((p for p in (root / "shared", root.parent / "shared") if p.is_dir()), root.parent / "shared")
+
+
+TEMPLATE_PATH = _shared_dir() / "fixtures" / "gemma4-tokenizer" / "chat_template.jinja"
+
+
+# ---------------------------------------------------------------------------------------------
+# render_prompt
+# ---------------------------------------------------------------------------------------------
+
+
+def _raise(message):
+    raise jinja2.TemplateError(message)
+
+
+@functools.cache
+def _canonical() -> jinja2.Template:
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    return env.from_string(TEMPLATE_PATH.read_text(encoding="utf-8"))
+
+
+def _direct(messages, tools=None, enable_thinking=False, add_generation_prompt=True) -> str:
+    """The canonical template rendered straight with jinja2, on messages already in its own shape."""
+    return _canonical().render(messages=messages, tools=tools, bos_token="<bos>", enable_thinking=enable_thinking,
+                           add_generation_prompt=add_generation_prompt)
+
+
+def _as_openai(messages):
+    """The OpenAI wire form of template-shaped messages: arguments as JSON text, tool results unnamed."""
+    wire = copy.deepcopy(messages)
+    for message in wire:
+        for call in message.get("tool_calls", []):
+            call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
+        if message["role"] == "tool":
+            message.pop("name", None)
+    return wire
+
+
+def _call(call_id, name, arguments):
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+SEARCH = {"type": "function", "function": {
+    "name": "search_flights", "description": "Find flights; prices in EUR",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "origin": {"type": "string", "description": "IATA code, e.g. \"CDG\""},
+            "cabin": {"type": "string", "enum": ["economy", "business"], "description": "Cabin class"},
+            "passengers": {"type": "integer", "nullable": True},
+            "max_price": {"type": "number"},
+            "direct": {"type": "boolean"},
+            "stops": {"type": "array", "items": {"type": "string"}},
+            "window": {"type": "object", "description": "Dates", "properties": {
+                "start": {"type": "string"}, "end": {"type": "string"}}, "required": ["start"]},
+            "legs": {"type": "array", "items": {"type": "object", "properties": {
+                "from": {"type": "string"}, "to": {"type": "string"}}, "required": ["from", "to"]}},
+        },
+        "required": ["origin", "cabin"],
+    },
+    "response": {"description": "Matching flights", "type": "object"}}}
+NO_PARAMS = {"type": "function", "function": {"name": "now", "description": "Current time"}}
+
+USER_PARIS = {"role": "user", "content": "What is the weather in Paris right now?"}
+CALL_PARIS = _call("call_1", "get_weather", {"city": "Paris"})
+
+# Conversations in the template's own shape (arguments as mappings, tool results named).
+CONVERSATIONS = {
+    "user": dict(messages=[{"role": "user", "content": "Hello"}]),
+    "system": dict(messages=[{"role": "system", "content": "  Be brief.  "}, {"role": "user", "content": " Hi "}]),
+    "multi_turn_strips_old_thoughts": dict(messages=[
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<|channel>thought\nadd them<channel|>4", "reasoning_content": "add them"},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "6"},
+        {"role": "user", "content": "Thanks"},
+    ]),
+    "tools_nested_schema": dict(messages=[{"role": "user", "content": "Flights CDG to JFK"}],
+                                tools=[WEATHER, SEARCH, NO_PARAMS]),
+    "tool_round_trip_string": dict(messages=[
+        USER_PARIS, {"role": "assistant", "content": None, "tool_calls": [CALL_PARIS]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": '{"temp_c": 18}'},
+    ], tools=[WEATHER]),
+    "parallel_calls_then_answer": dict(messages=[
+        {"role": "user", "content": "Weather in Paris and Oslo?"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [CALL_PARIS, _call("call_2", "get_weather", {"city": "Oslo"})]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18 C"},
+        {"role": "tool", "tool_call_id": "call_2", "name": "get_weather", "content": [{"type": "text", "text": "3 C"}]},
+        {"role": "assistant", "content": "Paris 18 C, Oslo 3 C."},
+        {"role": "user", "content": "And Rome?"},
+    ], tools=[WEATHER]),
+    "pending_call": dict(messages=[USER_PARIS, {"role": "assistant", "tool_calls": [CALL_PARIS]}], tools=[WEATHER]),
+    "rich_arguments_unicode": dict(messages=[
+        {"role": "user", "content": "Réserve un vol 🚀 pour 東京"},
+        {"role": "assistant", "tool_calls": [_call("c", "search_flights", {
+            "origin": "CDG", "cabin": "economy", "passengers": None, "max_price": 1e3, "direct": False,
+            "stops": ["HEL", "東京"], "window": {"start": "2026-08-01", "end": None},
+            "legs": [{"from": "CDG", "to": "HND"}], "note": "a {b}, \"c\": d"})]},
+        {"role": "tool", "tool_call_id": "c", "name": "search_flights", "content": "aucun vol — désolé"},
+    ], tools=[SEARCH]),
+    "thinking_with_tools": dict(messages=[{"role": "system", "content": "Think."}, USER_PARIS],
+                                tools=[WEATHER], enable_thinking=True),
+    "thinking_kept_within_tool_turn": dict(messages=[
+        USER_PARIS,
+        {"role": "assistant", "reasoning_content": "I need the weather tool.", "tool_calls": [CALL_PARIS]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18 C"},
+    ], tools=[WEATHER], enable_thinking=True),
+    "text_parts": dict(messages=[
+        {"role": "system", "content": [{"type": "text", "text": "Rule one."}, {"type": "text", "text": "Rule two."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Part A. "}, {"type": "text", "text": "Part B."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "<|channel>thought\nx<channel|>Done."}]},
+        {"role": "user", "content": "ok"},
+    ]),
+    "no_generation_prompt": dict(
+        messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+        add_generation_prompt=False),
+}
+
+
+@pytest.mark.parametrize("name", CONVERSATIONS)
+def test_render_matches_canonical_template(name):
+    case = CONVERSATIONS[name]
+    options = {k: v for k, v in case.items() if k != "messages"}
+    assert render_prompt(_as_openai(case["messages"]), **options) == _direct(case["messages"], **options)
+
+
+def test_render_accepts_mapping_arguments_too():
+    case = CONVERSATIONS["tool_round_trip_string"]
+    assert render_prompt(case["messages"], tools=case["tools"]) == _direct(case["messages"], tools=case["tools"])
+
+
+def test_spec_user_hello():
+    assert render_prompt([{"role": "user", "content": "Hello"}]) == "<bos><|turn>user\nHello<turn|>\n<|turn>model\n"
+
+
+def test_spec_tool_request_and_result():
+    """§7.8 B and C, and §12: the result continues the same model turn."""
+    declaration = ('<|tool>declaration:get_weather{description:<|"|>Current weather for a city<|"|>,'
+                   'parameters:{properties:{city:{type:<|"|>STRING<|"|>}},required:[<|"|>city<|"|>],'
+                   'type:<|"|>OBJECT<|"|>}}<tool|>')
+    head = (f"<bos><|turn>system\n{declaration}<turn|>\n"
+            "<|turn>user\nWhat is the weather in Paris right now?<turn|>\n<|turn>model\n")
+    assert render_prompt([USER_PARIS], tools=[WEATHER]) == head
+    messages = _as_openai(CONVERSATIONS["tool_round_trip_string"]["messages"])
+    assert render_prompt(messages, tools=[WEATHER]) == head + (
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+        '<|tool_response>response:get_weather{value:<|"|>{"temp_c": 18}<|"|>}<tool_response|>')
+
+
+def test_spec_thinking():
+    """§7.8 D."""
+    messages = [{"role": "system", "content": "You are concise."},
+                {"role": "user", "content": "Which is larger, 9.11 or 9.9?"}]
+    assert render_prompt(messages, enable_thinking=True) == (
+        "<bos><|turn>system\n<|think|>\nYou are concise.<turn|>\n"
+        "<|turn>user\nWhich is larger, 9.11 or 9.9?<turn|>\n<|turn>model\n")
+    after_tool = render_prompt(_as_openai(CONVERSATIONS["thinking_kept_within_tool_turn"]["messages"]),
+                               tools=[WEATHER], enable_thinking=True)
+    assert "<|channel>thought\nI need the weather tool.\n<channel|><|tool_call>" in after_tool
+    assert after_tool.endswith("<tool_response|><|channel>thought\n")
+
+
+def test_tool_result_object_and_name_fallback():
+    """An object result renders as `response:NAME{key:value,...}` (keys sorted), a string as `{value:...}`."""
+    messages = [USER_PARIS, {"role": "assistant", "tool_calls": [CALL_PARIS, _call("call_2", "get_time", "{}")]},
+                {"role": "tool", "tool_call_id": "call_1",
+                 "content": {"temp_c": 18, "sky": "clear", "wind": {"kmh": 12.5}}},
+                {"role": "tool", "name": "get_time", "content": "noon"}]
+    assert render_prompt(messages, tools=[WEATHER]).endswith(
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_call>call:get_time{}<tool_call|>'
+        '<|tool_response>response:get_weather{sky:<|"|>clear<|"|>,temp_c:18,wind:{kmh:12.5}}<tool_response|>'
+        '<|tool_response>response:get_time{value:<|"|>noon<|"|>}<tool_response|>')
+
+
+def test_old_thoughts_are_stripped():
+    text = render_prompt(CONVERSATIONS["multi_turn_strips_old_thoughts"]["messages"])
+    assert "add them" not in text and "<|channel>" not in text
+    assert "<|turn>model\n4<turn|>\n" in text
+
+
+def test_developer_is_system():
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert render_prompt(messages) == _direct([{"role": "system", "content": "Be brief."}, messages[1]])
+    later = render_prompt([messages[1], {"role": "assistant", "content": "Hello"}, messages[0], messages[1]])
+    assert "<|turn>system\nBe brief.<turn|>" in later and "developer" not in later
+
+
+def test_custom_template():
+    template = "{{ bos_token }}{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}{{ tools | length }}"
+    messages = [{"role": "developer", "content": "d"}, {"role": "user", "content": "u"}]
+    assert render_prompt(messages, tools=[WEATHER], template=template) == "<bos>[system:d][user:u]1"
+
+
+def test_packaged_template_is_canonical():
+    assert default_chat_template() == TEMPLATE_PATH.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("messages,tools,field", [
+    ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], None, r"messages\[1\]\.role 'robot'"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [_call("x", "f", "{}")]},
+      {"role": "tool", "tool_call_id": "y", "content": "r"}], None, r"messages\[2\]\.tool_call_id 'y' matches no call"),
+    ([{"role": "assistant", "tool_calls": [_call("x", "f", "{}")]}, {"role": "tool", "content": "r"}], None,
+     r"messages\[1\]\.tool_call_id is missing"),
+    ([{"role": "user", "content": "a"}, {"role": "tool", "tool_call_id": "x", "content": "r"}], None,
+     r"messages\[1\] is a tool result that does not follow an assistant message with tool_calls"),
+    ([{"role": "assistant", "tool_calls": [{"id": 7, "function": {"name": "f"}}]}], None,
+     r"messages\[0\]\.tool_calls\[0\]\.id must be a string"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [_call("x", "f", "{city: 1}")]}], None,
+     r"^messages\[1\]\.tool_calls\[0\]\.function\.arguments is not valid JSON$"),
+    ([{"role": "assistant", "tool_calls": [_call("x", "f", "[1, 2]")]}], None,
+     r"messages\[0\]\.tool_calls\[0\]\.function\.arguments is not a JSON object"),
+    ([{"role": "assistant", "tool_calls": [{"id": "x", "function": {"arguments": "{}"}}]}], None,
+     r"messages\[0\]\.tool_calls\[0\]\.function\.name is missing"),
+    ([{"role": "assistant", "tool_calls": "f()"}], None, r"messages\[0\]\.tool_calls must be a list"),
+    ([{"role": "user"}], None, r"messages\[0\]\.content is missing"),
+    ([{"role": "user", "content": 5}], None, r"messages\[0\]\.content must be"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]}], None,
+     r"messages\[0\]\.content\[1\] has type 'image_url'"),
+    ([{"role": "user", "content": [{"type": "text"}]}], None, r"messages\[0\]\.content\[0\]\.text"),
+    (["hello"], None, r"messages\[0\] is not an object"),
+    ([], None, "messages must be a non-empty list"),
+    ([{"role": "user", "content": "a"}], [{"type": "function", "function": {"description": "x"}}],
+     r"tools\[0\]\.function\.name is missing"),
+    ([{"role": "user", "content": "a"}], [WEATHER, {"type": "retrieval"}], r"tools\[1\]\.type 'retrieval'"),
+    ([{"role": "user", "content": "a"}], [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+     r"tools\[0\]\.function\.parameters must be a JSON object"),
+    ([{"role": "user", "content": "a"}], "tools", "tools must be a list"),
+])
+def test_render_errors_name_the_field(messages, tools, field):
+    with pytest.raises(Qat4Error, match=field):
+        render_prompt(messages, tools=tools)
+
+
+def test_template_errors_are_qat4_errors():
+    with pytest.raises(Qat4Error, match="rejected the conversation: no way"):
+        render_prompt([{"role": "user", "content": "a"}], template="{{ raise_exception('no way') }}")
+    with pytest.raises(Qat4Error, match="not valid jinja"):
+        render_prompt([{"role": "user", "content": "a"}], template="{% for %}")
+
+
+def test_render_does_not_modify_the_request():
+    messages = _as_openai(CONVERSATIONS["parallel_calls_then_answer"]["messages"])
+    before = copy.deepcopy(messages)
+    render_prompt(messages, tools=[WEATHER])
+    assert messages == before
+
+
+# ---------------------------------------------------------------------------------------------
+# parse_reply and ReplyStream
+# ---------------------------------------------------------------------------------------------
+
+D = '<|"|>'
+ALL_VALUES = (f'call:set{{i:42,neg:-7,f:3.25,nf:-0.5,e:1e-3,E:-2.5E+4,t:true,fa:false,n:null,py:None,'
+              f's:{D}a {{b}}, "c": d{D},empty:{D}{D},lst:[1,{D}x{D},[],{{}}],obj:{{k:{{deep:[true,null]}}}},'
+              f'multi:{D}line 1\nline 2{D}}}')
+ALL_ARGS = {"i": 42, "neg": -7, "f": 3.25, "nf": -0.5, "e": 1e-3, "E": -2.5e4, "t": True, "fa": False, "n": None,
+            "py": None, "s": 'a {b}, "c": d', "empty": "", "lst": [1, "x", [], {}],
+            "obj": {"k": {"deep": [True, None]}}, "multi": "line 1\nline 2"}
+WEATHER_CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+CALL_TEXT = f"<|tool_call>call:get_weather{{city:{D}Paris{D}}}<tool_call|>"
+
+# (raw reply, thinking, expected)
+REPLIES = {
+    "plain": ("Paris is the capital.<turn|>", False, Reply("Paris is the capital.")),
+    "no_stop_marker": ("  Hi there \n", False, Reply("Hi there")),
+    "after_stop_ignored": ("Done.<turn|>\n<|turn>user\nmore", False, Reply("Done.")),
+    "eos": ("Bye<eos>", False, Reply("Bye")),
+    "empty": ("<turn|>", False, Reply()),
+    "empty_thought": ("<|channel>thought\n<channel|>The answer.<turn|>", False, Reply("The answer.")),
+    "thought": ("<|channel>thought\nCompare 9.11 and 9.9.\n<channel|>9.9 is larger.<turn|>", True,
+                Reply("9.9 is larger.", "Compare 9.11 and 9.9.")),
+    "thought_when_off": ("<|channel>thought\nhmm<channel|>ok", False, Reply("ok", "hmm")),
+    "thinking_on_no_thought": ("Just an answer.<turn|>", True, Reply("Just an answer.")),
+    "unterminated_thought_on": ("<|channel>thought\nStill thinking about", True, Reply(None, "Still thinking about")),
+    "unterminated_thought_off": ("<|channel>thought\nStill thinking about", False, Reply("Still thinking about")),
+    "thought_cut_by_stop": ("<|channel>thought\nabc<turn|>", True, Reply(None, "abc")),
+    "label_only_prefix": ("<|channel>tho", True, Reply(None, "tho")),
+    "prompt_opened_thought": ("<|channel>thought\nuse the result<channel|>It is 18 C.", True,
+                              Reply("It is 18 C.", "use the result")),
+    "tool_call": (CALL_TEXT + "<|tool_response>", False, Reply(None, None, [WEATHER_CALL])),
+    "text_then_call": ("Let me check. " + CALL_TEXT, False, Reply("Let me check.", None, [WEATHER_CALL])),
+    "thought_then_call": ("<|channel>thought\nneed weather<channel|>" + CALL_TEXT + "<|tool_response>", True,
+                          Reply(None, "need weather", [WEATHER_CALL])),
+    "parallel_calls": (CALL_TEXT + f"<|tool_call>call:get_time{{tz:{D}Europe/Paris{D}}}<tool_call|>"
+                       + "<|tool_response>", False,
+                       Reply(None, None, [WEATHER_CALL, {"name": "get_time", "arguments": {"tz": "Europe/Paris"}}])),
+    "all_values": (f"<|tool_call>{ALL_VALUES}<tool_call|>", False,
+                   Reply(None, None, [{"name": "set", "arguments": ALL_ARGS}])),
+    "json_quoted": ('<|tool_call>call:f{"q": "say \\"hi\\"\\n", "n": [1, 2.5], "o": {"k": "v"}}<tool_call|>', False,
+                    Reply(None, None, [{"name": "f",
+                                        "arguments": {"q": 'say "hi"\n', "n": [1, 2.5], "o": {"k": "v"}}}])),
+    "delimited_keys_and_spaces": (f"<|tool_call> call:f {{ {D}a b{D} : 1 , c : [ 2 , 3 , ] , }}\n<tool_call|>", False,
+                                  Reply(None, None, [{"name": "f", "arguments": {"a b": 1, "c": [2, 3]}}])),
+    "no_arguments": ("<|tool_call>call:now{}<tool_call|>", False,
+                     Reply(None, None, [{"name": "now", "arguments": {}}])),
+    "unicode": (f"<|tool_call>call:search{{q:{D}東京 🚀{D}}}<tool_call|>", False,
+                Reply(None, None, [{"name": "search", "arguments": {"q": "東京 🚀"}}])),
+    "bare_word_value": ("<|tool_call>call:f{unit:celsius}<tool_call|>", False,
+                        Reply(None, None, [{"name": "f", "arguments": {"unit": "celsius"}}])),
+    "call_closed_by_stop": (f"<|tool_call>call:f{{a:1}}<|tool_response>", False,
+                            Reply(None, None, [{"name": "f", "arguments": {"a": 1}}])),
+    "call_closed_by_next_call": ("<|tool_call>call:f{a:1}<|tool_call>call:g{}<tool_call|>", False,
+                                 Reply(None, None, [{"name": "f", "arguments": {"a": 1}},
+                                                    {"name": "g", "arguments": {}}])),
+    "stray_close_dropped": ("a<channel|>b<tool_call|>c", False, Reply("abc")),
+    "partial_marker_at_end": ("Hello <|tool", False, Reply("Hello <|tool")),
+    # Malformed calls come back verbatim as content.
+    **{f"malformed_{name}": (text, False, Reply(text)) for name, text in {
+        "unclosed_object": "<|tool_call>call:f{a:1<tool_call|>",
+        "unterminated_string": f"x <|tool_call>call:f{{a:{D}oops}}<tool_call|> y",
+        "name": "<|tool_call>call:bad name{}<tool_call|>",
+        "trailing_text": "<|tool_call>call:f{} extra<tool_call|>",
+        "missing_colon": "<|tool_call>call:f{a 1}<tool_call|>",
+        "missing_comma": "<|tool_call>call:f{a:1 b:2}<tool_call|>",
+        "bad_escape": '<|tool_call>call:f{a:"\\q"}<tool_call|>',
+        "cut_by_length": "Sure. <|tool_call>call:f{a:[1,2",
+        "too_deep": "<|tool_call>call:f{a:" + "[" * 3000 + "]" * 3000 + "}<tool_call|>",
+    }.items()},
+}
+
+
+@pytest.mark.parametrize("name", REPLIES)
+def test_parse_reply(name):
+    text, thinking, expected = REPLIES[name]
+    assert parse_reply(text, thinking=thinking) == expected
+
+
+def _stream(chunks, thinking):
+    """Feed chunks; returns (reply, concatenated content deltas, reasoning deltas, streamed calls)."""
+    stream = ReplyStream(thinking)
+    events = [event for chunk in chunks for event in stream.feed(chunk)] + stream.flush()
+    text = {kind: "".join(e.text for e in events if e.kind == kind) for kind in ("content", "reasoning")}
+    calls = [e.tool_call for e in events if e.kind == "tool_call"]
+    return stream.finish(), text["content"], text["reasoning"], calls
+
+
+@pytest.mark.parametrize("name", REPLIES)
+def test_stream_matches_parse_reply(name):
+    text, thinking, expected = REPLIES[name]
+    rng = random.Random(name)
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 5))) if len(text) > 1 else []
+    random_chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    for chunks in (list(text), random_chunks, [text]):
+        reply, content, reasoning, calls = _stream(chunks, thinking)
+        assert reply == expected
+        streamed = (content or None, reasoning or None, calls)
+        assert streamed == (expected.content, expected.reasoning, expected.tool_calls)
+
+
+def test_stream_holds_partial_markers():
+    stream = ReplyStream()
+    assert [e.text for e in stream.feed("Hello <|tool")] == ["Hello"]
+    assert stream.feed("_call>call:f{a:") == []
+    events = stream.feed("1}<tool_call|>")
+    assert [(e.kind, e.tool_call) for e in events] == [("tool_call", {"name": "f", "arguments": {"a": 1}})]
+    assert stream.feed("<|tool_response>") == [] and stream.feed("ignored") == []
+    assert stream.finish() == Reply("Hello", None, [{"name": "f", "arguments": {"a": 1}}])
+
+
+def test_stream_reasoning_is_live_only_when_thinking():
+    live = ReplyStream(thinking=True)
+    assert [(e.kind, e.text) for e in live.feed("<|channel>thought\nStep one. ")] == [("reasoning", "Step one.")]
+    events = live.feed("Step two.<channel|>A")
+    assert [(e.kind, e.text) for e in events] == [("reasoning", " Step two."), ("content", "A")]
+    held = ReplyStream(thinking=False)
+    assert held.feed("<|channel>thought\nStep one. ") == []
+    assert [(e.kind, e.text) for e in held.feed("Step two.<channel|>A")] == [("reasoning", "Step one. Step two."),
+                                                                           ("content", "A")]
+
+
+def test_stream_prompt_prefix():
+    """A prompt that ends inside an open thought channel: its tail is fed before the reply."""
+    stream = ReplyStream(thinking=True)
+    assert stream.feed("<|channel>thought\n") == []
+    assert [e.text for e in stream.feed("noted<channel|>It is 18 C.")] == ["noted", "It is 18 C."]
+    assert stream.finish() == Reply("It is 18 C.", "noted")

@@ -1,0 +1,262 @@
+"""The Gemma 4 tokenizer from GGUF metadata and from the tokenizer.json built from it.
+
+Acceptance: the 46 official test strings of the real vocabulary encode to the ids Google's
+tokenizer gives. Parsing the GGUF takes about a minute on a small CPU; it happens once per session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from qat4.chat import render_prompt
+from qat4.errors import Qat4Error
+from qat4.tokenizer import Tokenizer, build_tokenizer_json, load_tokenizer
+
+
+def _shared_dir() -> Path:
+    """The project's shared reference folder: ./shared in the checkout, else ../shared."""
+    root = Path(__file__).resolve().parents[1]
+    return next((p for p in (root / "shared", root.parent / "shared") if p.is_dir()), root.parent / "shared")
+
+
+FIXTURES = _shared_dir() / "fixtures" / "gemma4-tokenizer"
+GGUF = FIXTURES / "ggml-vocab-gemma-4.gguf"
+SEPARATOR = "\n__ggml_vocab_test__\n"
+
+# §7.1 / §12 of the spec: token -> id in the real vocabulary.
+SPECIAL_IDS = {
+    "<pad>": 0, "<eos>": 1, "<bos>": 2, "<|tool>": 46, "<tool|>": 47, "<|tool_call>": 48, "<tool_call|>": 49,
+    "<|tool_response>": 50, "<tool_response|>": 51, '<|"|>': 52, "<|think|>": 98, "<|channel>": 100,
+    "<channel|>": 101, "<|turn>": 105, "<turn|>": 106, "\n": 107, "\n\n": 108, "<|image>": 255999,
+    "<|audio>": 256000, "<|image|>": 258880, "<|audio|>": 258881, "<|video|>": 258884,
+}
+USER_DEFINED = ("<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>', "<|channel>",
+                "<channel|>")
+
+
+def _vectors() -> list[tuple[str, list[int]]]:
+    """The official (text, ids) pairs: texts separated by a marker line, one line of ids each."""
+    texts = (FIXTURES / "ggml-vocab-gemma-4.gguf.inp").read_text(encoding="utf-8").split(SEPARATOR)
+    lines = (FIXTURES / "ggml-vocab-gemma-4.gguf.out").read_text(encoding="utf-8").removesuffix("\n").split("\n")
+    assert len(texts) == len(lines) == 46
+    return [(text, [int(t) for t in line.split()]) for text, line in zip(texts, lines)]
+
+
+VECTORS = _vectors()
+
+
+@pytest.fixture(scope="session")
+def gguf_tokenizer() -> Tokenizer:
+    return Tokenizer.from_gguf(GGUF)
+
+
+@pytest.fixture(scope="session")
+def json_folder(tmp_path_factory) -> Path:
+    """A checkpoint-like folder holding the tokenizer.json built from the GGUF."""
+    folder = tmp_path_factory.mktemp("tokenizer")
+    (folder / "tokenizer.json").write_text(build_tokenizer_json(GGUF), encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def json_tokenizer(json_folder) -> Tokenizer:
+    return Tokenizer.from_file(json_folder / "tokenizer.json")
+
+
+@pytest.fixture(params=["gguf", "json"])
+def tokenizer(request) -> Tokenizer:
+    return request.getfixturevalue(f"{request.param}_tokenizer")
+
+
+@pytest.mark.parametrize("text,ids", VECTORS, ids=[f"v{i:02d}" for i in range(len(VECTORS))])
+def test_official_vectors(tokenizer, text, ids):
+    assert tokenizer.encode(text) == ids
+
+
+def test_round_trip(tokenizer):
+    for text, ids in VECTORS:
+        assert tokenizer.decode(ids) == text
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_special_ids_and_sizes(tokenizer):
+    assert {token: tokenizer.token_to_id(token) for token in SPECIAL_IDS} == SPECIAL_IDS
+    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.stop_ids) == (2, 1, [1, 106, 50])
+    assert tokenizer.vocab_size == 262144
+
+
+def test_unknown_token_raises(tokenizer):
+    with pytest.raises(Qat4Error, match="<end_of_turn>"):
+        tokenizer.token_to_id("<end_of_turn>")
+
+
+def test_bos_only_when_asked(tokenizer):
+    assert tokenizer.encode("hello") == [23391]
+    assert tokenizer.encode("hello", add_bos=True) == [2, 23391]
+
+
+def test_chat_prompt_markers_are_single_tokens(tokenizer):
+    text = "<bos><|turn>user\nHello<turn|>\n<|turn>model\n"
+    ids = tokenizer.encode(text)
+    assert ids == [2, 105, tokenizer.encode("user")[0], 107, 9259, 106, 107, 105, tokenizer.encode("model")[0], 107]
+    assert tokenizer.decode(ids) == text
+
+
+def test_decode_keeps_user_defined_tokens(tokenizer):
+    text = '<bos><|turn>model\n<|channel>thought\n<channel|><|tool_call>call:f{a:<|"|>x y<|"|>}<tool_call|><turn|>'
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+    kept = 'model\n<|channel>thought\n<channel|><|tool_call>call:f{a:<|"|>x y<|"|>}<tool_call|>'
+    assert tokenizer.decode(ids, skip_special=True) == kept
+
+
+def test_spec_tool_request_token_counts(tokenizer):
+    """§7.8 B: 65 prompt tokens; the expected completion is 15 tokens."""
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    prompt = render_prompt([{"role": "user", "content": "What is the weather in Paris right now?"}], tools=tools)
+    assert len(tokenizer.encode(prompt)) == 65
+    completion = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_response>'
+    assert len(tokenizer.encode(completion)) == 15
+
+
+def test_byte_fallback_decodes_partial_utf8_as_replacement(tokenizer):
+    ids = tokenizer.encode("\U000e0100")  # a character with no token: four <0xNN> byte tokens
+    assert all(238 <= i <= 493 for i in ids) and len(ids) == 4
+    assert tokenizer.decode(ids) == "\U000e0100"
+    assert tokenizer.decode(ids[:2]) == "\ufffd\ufffd"
+
+
+def test_built_json_flags(json_folder):
+    data = json.loads((json_folder / "tokenizer.json").read_text(encoding="utf-8"))
+    added = {t["content"]: t for t in data["added_tokens"]}
+    assert all(not added[t]["special"] for t in USER_DEFINED)
+    assert all(added[t]["special"] for t in ("<bos>", "<eos>", "<pad>", "<|turn>", "<turn|>", "<|think|>"))
+    assert all(added[t]["id"] == SPECIAL_IDS[t] and not added[t]["normalized"] for t in added if t in SPECIAL_IDS)
+    assert data["pre_tokenizer"] is None
+    assert data["model"]["type"] == "BPE" and data["model"]["byte_fallback"]
+    assert len(data["model"]["merges"]) == 514906
+
+
+def test_gguf_chat_template(gguf_tokenizer):
+    assert "<|turn>" in gguf_tokenizer.chat_template
+    assert Tokenizer.from_gguf(GGUF, chat_template="T").chat_template == "T"
+
+
+def test_gguf_template_renders_tool_round_trip(gguf_tokenizer):
+    """The older template embedded in the GGUF reads tool results only as `tool_responses`."""
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "tool_calls": [
+                    {"id": "c1", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]
+    text = render_prompt(messages, template=gguf_tokenizer.chat_template)
+    assert ('<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+            '<|tool_response>response:get_weather{value:<|"|>18 C<|"|>}<tool_response|>') in text
+    assert "<|turn>tool" not in text
+
+
+def _checkpoint(folder: Path, json_folder: Path, files: dict[str, str]) -> Path:
+    """A folder linking the built tokenizer.json (a cache hit) beside the given small files."""
+    folder.mkdir()
+    os.symlink(json_folder / "tokenizer.json", folder / "tokenizer.json")
+    for name, text in files.items():
+        (folder / name).write_text(text, encoding="utf-8")
+    return folder
+
+
+def test_load_tokenizer_template_sources(tmp_path, json_folder):
+    config = json.dumps({"chat_template": "from config"})
+    both = _checkpoint(tmp_path / "both", json_folder,
+                       {"chat_template.jinja": "from jinja", "tokenizer_config.json": config})
+    config_only = _checkpoint(tmp_path / "config", json_folder, {"tokenizer_config.json": config})
+    named = _checkpoint(tmp_path / "named", json_folder, {"tokenizer_config.json": json.dumps(
+        {"chat_template": [{"name": "tool_use", "template": "x"}, {"name": "default", "template": "from list"}]})})
+    bare = _checkpoint(tmp_path / "bare", json_folder, {})
+    assert load_tokenizer(both).chat_template == "from jinja"
+    assert load_tokenizer(config_only).chat_template == "from config"
+    assert load_tokenizer(named).chat_template == "from list"
+    assert load_tokenizer(bare).chat_template is None
+    assert load_tokenizer(bare).encode(VECTORS[-1][0]) == VECTORS[-1][1]
+
+
+def test_load_tokenizer_from_gguf_folder(tmp_path, gguf_tokenizer):
+    os.symlink(GGUF, tmp_path / "model.gguf")
+    tok = load_tokenizer(tmp_path)
+    assert tok.chat_template == gguf_tokenizer.chat_template
+    (tmp_path / "chat_template.jinja").write_text("mine", encoding="utf-8")
+    assert load_tokenizer(tmp_path).chat_template == "mine"
+
+
+def test_load_tokenizer_errors(tmp_path):
+    with pytest.raises(Qat4Error, match=str(tmp_path)):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(Qat4Error, match="not a valid tokenizer.json"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(Qat4Error, match="missing.json"):
+        Tokenizer.from_file(tmp_path / "missing.json")
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00")
+    with pytest.raises(Qat4Error, match="broken.gguf"):
+        Tokenizer.from_gguf(tmp_path / "broken.gguf")
+
+
+# A tiny vocabulary in GGUF metadata form, given as plain values: types 1 normal, 3 control,
+# 4 user-defined, 6 byte.
+TINY_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<turn|>", "<|tool_response>", "<|\"|>", "a", "b", "ab", "\u2581",
+               "\u2581ab", *(f"<0x{b:02X}>" for b in range(256))]
+TINY = {
+    "tokenizer.ggml.model": "gemma4",
+    "tokenizer.ggml.tokens": TINY_TOKENS,
+    "tokenizer.ggml.token_type": [3, 3, 3, 3, 3, 4, 4, 1, 1, 1, 1, 1, *([6] * 256)],
+    "tokenizer.ggml.merges": ["a b", "\u2581 ab"],
+    "tokenizer.ggml.bos_token_id": 2,
+    "tokenizer.ggml.eos_token_id": 1,
+    "tokenizer.ggml.unknown_token_id": 3,
+    "tokenizer.chat_template": "{{ bos_token }}",
+}
+
+
+def _check_tiny(tok: Tokenizer) -> None:
+    assert tok.encode("ab ab", add_bos=True) == [2, 9, 11]
+    assert tok.encode('c<|"|>') == [12 + ord("c"), 6]
+    assert tok.decode([9, 11, 4, 6]) == 'ab ab<turn|><|"|>'
+    assert tok.decode([9, 4, 6], skip_special=True) == 'ab<|"|>'
+    assert (tok.stop_ids, tok.chat_template, tok.vocab_size) == ([1, 4, 5], "{{ bos_token }}", len(TINY_TOKENS))
+
+
+def test_from_plain_metadata():
+    _check_tiny(Tokenizer.from_gguf_metadata(TINY))
+
+
+def test_from_gguf_reader_fields_and_file(tmp_path):
+    """The same tiny vocabulary written as a GGUF: read by the gguf package's reader and by qat4's."""
+    import gguf
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(path, "gemma4")
+    writer.add_tokenizer_model("gemma4")
+    writer.add_token_list(TINY["tokenizer.ggml.tokens"])
+    writer.add_token_types(TINY["tokenizer.ggml.token_type"])
+    writer.add_token_merges(TINY["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_chat_template(TINY["tokenizer.chat_template"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _check_tiny(Tokenizer.from_gguf_metadata(gguf.GGUFReader(path).fields))
+    _check_tiny(Tokenizer.from_gguf(path))
+    first = json.loads(build_tokenizer_json(path))["post_processor"]["single"][0]
+    assert first == {"SpecialToken": {"id": "<bos>", "type_id": 0}}
+
+
+def test_metadata_without_merges_is_rejected():
+    with pytest.raises(Qat4Error, match="merges"):
+        Tokenizer.from_gguf_metadata({k: v for k, v in TINY.items() if k != "tokenizer.ggml.merges"})
