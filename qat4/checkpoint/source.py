@@ -10,12 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
+from qat4.checkpoint import FORMATS  # noqa: F401  (re-exported: the format names every reader reports)
 from qat4.checkpoint.packed_model import Tensor
 from qat4.checkpoint.packing import GridReport
 from qat4.config import Gemma4Config
-
-FORMATS = ("ct", "ct-emb4", "qat-bf16", "gguf")
-
 
 @dataclass
 class AuxFiles:

@@ -1,0 +1,69 @@
+"""Model ids: local paths as is, Hub ids from a folder laid out like the Hugging Face cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qat4.checkpoint.compressed_tensors import write_ct
+from qat4.checkpoint.hub import resolve
+from qat4.checkpoint.loader import load_packed
+from qat4.checkpoint.source import AuxFiles
+from qat4.checkpoint.synth import synthetic_model
+from qat4.config import TINY
+from qat4.errors import Qat4Error
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def cached_snapshot(hub_cache, model_id: str):
+    """`models--org--name/snapshots/<commit>/` and `refs/main`, as huggingface_hub stores them."""
+    repo = hub_cache / ("models--" + model_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    return repo / "snapshots" / COMMIT
+
+
+@pytest.fixture
+def offline_home(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return tmp_path / "hf-home" / "hub"
+
+
+def test_local_path_is_used_as_is(tmp_path, offline_home):
+    (tmp_path / "org").mkdir()
+    assert resolve(tmp_path / "org") == tmp_path / "org"
+
+
+def test_model_id_from_the_cache_loads(offline_home):
+    snapshot = cached_snapshot(offline_home, "someone/tiny-emb4")
+    model = synthetic_model(TINY, seed=1)
+    write_ct(snapshot, TINY, model.tensors, AuxFiles(), emb4=True)
+    assert resolve("someone/tiny-emb4") == snapshot
+    loaded = load_packed("someone/tiny-emb4")
+    assert loaded.source == snapshot
+    assert torch.equal(loaded.tensors["layers.0.mlp.up_proj"].packed, model.tensors["layers.0.mlp.up_proj"].packed)
+
+
+def test_hub_cache_variable_wins(tmp_path, offline_home, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    snapshot = cached_snapshot(tmp_path / "elsewhere", "org/name")
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    assert resolve("org/name") == snapshot
+
+
+def test_offline_and_not_cached(offline_home):
+    with pytest.raises(Qat4Error) as info:
+        resolve("google/gemma-4-E2B-it")
+    message = str(info.value)
+    assert "google/gemma-4-E2B-it" in message and "local Hugging Face cache" in message and "HF_HUB_OFFLINE" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("path", ["./no/such/folder", "/no/such/folder", "~/no-such-qat4-folder/x/y"])
+def test_missing_path_that_is_no_model_id(path, offline_home):
+    with pytest.raises(Qat4Error, match="does not exist"):
+        resolve(path)
