@@ -1,0 +1,113 @@
+"""Packed int4 kernels against their torch references at Gemma 4 E2B shapes, on a CUDA GPU.
+
+Weights are random int32 words (every bit pattern is 8 valid codes) with nonzero random steps.
+Run with `pytest -m gpu tests/gpu`; timings live in tools/bench_w4.py, not here.
+"""
+
+import pytest
+import torch
+
+from qat4.ops import w4_embedding as we
+from qat4.ops import w4_linear as wl
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DECODE_SHAPES = [  # [N, K] of every GEMV of one decode step (gemma4-e2b.md section 5.5)
+    (2560, 1536), (5120, 1536), (2048, 1536), (4096, 1536), (1536, 2048), (1536, 4096), (12288, 1536),
+    (24576, 1536), (1536, 6144), (1536, 12288), (256, 1536), (1536, 256), (8960, 1536), (262144, 1536),
+]
+VOCAB, HIDDEN, PER_LAYER = 262144, 1536, 8960
+
+
+def _dtypes():
+    bf16 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
+    return [torch.bfloat16, torch.float16] if bf16 else [torch.float16]
+
+
+DTYPES = _dtypes()
+OUT_TOL = {torch.float16: 1e-3, torch.bfloat16: 4e-3}  # rounding of the 16-bit output
+MATMUL_TOL = {torch.float16: 2e-3, torch.bfloat16: 8e-3}  # plus one rounding of each weight
+
+
+def random_weight(n, k, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda", generator=g)
+    scales = (torch.rand(n, k // 32, device="cuda", generator=g) * 0.02 + 0.001).to(dtype)
+    return packed, scales
+
+
+def rel_err(actual, expected):
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", DECODE_SHAPES)
+def test_matvec_at_e2b_shapes(n, k, dtype):
+    packed, scales = random_weight(n, k, dtype)
+    for m in (1, 3, 16) if dtype == torch.bfloat16 else (1,):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        out = wl.w4_matvec(x, packed, scales)
+        assert out.dtype == dtype and out.shape == (m, n)
+        assert rel_err(out, wl.w4_linear_reference(x, packed, scales)) < OUT_TOL[dtype], (m, n, k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(2560, 1536), (24576, 1536), (1536, 12288), (1536, 256), (262144, 1536)])
+def test_matmul_at_e2b_shapes(n, k, dtype):
+    packed, scales = random_weight(n, k, dtype)
+    for m in (64, 1000) if n < VOCAB else (64,):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        out = wl.w4_matmul(x, packed, scales)
+        assert out.dtype == dtype and out.shape == (m, n)
+        assert rel_err(out, wl.w4_linear_reference(x, packed, scales)) < MATMUL_TOL[dtype], (m, n, k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matmul_fp32_path(dtype, monkeypatch):
+    packed, scales = random_weight(2560, 1536, dtype)
+    x = torch.randn(300, 1536, device="cuda", dtype=dtype)
+    monkeypatch.setenv("QAT4_PREFILL_FP32", "1")
+    assert wl.prefill_uses_fp32(x)
+    assert rel_err(wl.w4_matmul(x, packed, scales), wl.w4_linear_reference(x, packed, scales)) < OUT_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_output_layer_at_vocab_size(dtype):
+    packed, scales = random_weight(VOCAB, HIDDEN, dtype)
+    x = torch.randn(4, HIDDEN, device="cuda", dtype=dtype) * 4
+    logits = wl.w4_logits(x, packed, scales)
+    reference = wl.w4_logits_reference(x, packed, scales)
+    assert logits.dtype == torch.float32 and rel_err(logits, reference) < 1e-5
+    top = wl.w4_argmax(x, packed, scales)
+    assert torch.equal(top, torch.argmax(logits, dim=-1))
+    assert torch.equal(top, torch.argmax(reference, dim=-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k,scale", [(HIDDEN, 39.25), (PER_LAYER, 16.0)])
+def test_embedding_is_exact(k, scale, dtype):
+    packed, scales = random_weight(VOCAB, k, torch.float16)
+    ids = torch.cat([torch.tensor([0, VOCAB - 1], device="cuda"), torch.randint(0, VOCAB, (62,), device="cuda")])
+    out = we.w4_embedding(ids, packed, scales, scale, dtype)
+    assert torch.equal(out, we.w4_embedding_reference(ids, packed, scales, scale, dtype))
+
+
+def test_split_k_is_deterministic_and_graph_safe():
+    """The split-K tickets reset themselves: many eager launches and graph replays agree bit for bit."""
+    packed, scales = random_weight(1536, 12288, torch.bfloat16)
+    x = torch.randn(1, 12288, device="cuda", dtype=torch.bfloat16)
+    config = {"RR": 8, "TR": 2, "BLOCK_G": 16, "SPLIT_K": 8}
+    first = wl.w4_matvec(x, packed, scales, config=config)
+    assert rel_err(first, wl.w4_linear_reference(x, packed, scales)) < OUT_TOL[torch.bfloat16]
+    for _ in range(50):
+        assert torch.equal(wl.w4_matvec(x, packed, scales, config=config), first)
+    out = torch.empty_like(first)
+    wl.w4_matvec(x, packed, scales, out)  # autotune before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wl.w4_matvec(x, packed, scales, out)
+    eager = wl.w4_matvec(x, packed, scales)
+    for _ in range(20):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, eager)

@@ -1,0 +1,231 @@
+"""Norm / RoPE / GELU ops: references against transformers 5.17's Gemma 4 functions and naive
+formulas; Triton kernels against the references (CUDA, or the interpreter in a subprocess)."""
+
+import math
+
+import pytest
+import torch
+
+from qat4.ops import norms
+from test_ops_attention import KERNEL_DEVICE, kernel_test, run_interpreted
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+KERNEL_DTYPES = [torch.float32, torch.float16]  # the interpreter mishandles bf16
+
+
+def hf_rotary(head_dim, global_head_dim):
+    """transformers' Gemma 4 rotary embedding with the E2B rope parameters (its defaults)."""
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+    config = Gemma4TextConfig(
+        hidden_size=128, num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=1,
+        head_dim=head_dim, global_head_dim=global_head_dim, num_kv_shared_layers=0,
+        layer_types=["sliding_attention"] * 4 + ["full_attention"],
+    )
+    assert config.rope_parameters["full_attention"]["rope_type"] == "proportional"
+    return Gemma4TextRotaryEmbedding(config)
+
+
+def our_inv_freq(layer_type, head_dim):
+    if layer_type == "sliding_attention":
+        return norms.rope_inv_freq(head_dim, 10000.0)
+    return norms.rope_inv_freq(head_dim, 1e6, 0.25, proportional=True)
+
+
+def full_cos_sin(cache, positions, head_dim):
+    """Expand our table to HF's [T, D] cos and sin (``[f, f]`` layout, cos 1 / sin 0 past n_rot)."""
+    n_rot = cache.shape[-1] // 2
+    pad = head_dim // 2 - n_rot
+    cos = torch.nn.functional.pad(cache[positions, :n_rot], (0, pad), value=1.0)
+    sin = torch.nn.functional.pad(cache[positions, n_rot:], (0, pad), value=0.0)
+    return torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+
+
+# ----------------------------------------------------------------------------------------------
+# References vs transformers
+
+
+@pytest.mark.parametrize("head_dim,global_head_dim", [(32, 64), (256, 512)])
+def test_inv_freq_matches_transformers(head_dim, global_head_dim):
+    rotary = hf_rotary(head_dim, global_head_dim)
+    for layer_type, dim in (("sliding_attention", head_dim), ("full_attention", global_head_dim)):
+        expected = getattr(rotary, f"{layer_type}_inv_freq")
+        assert torch.equal(our_inv_freq(layer_type, dim), expected)
+
+
+def test_e2b_proportional_rope_rotates_dims_0_63_and_256_319_only():
+    inv = norms.rope_inv_freq(512, 1e6, 0.25, proportional=True)
+    assert inv.shape == (256,) and bool((inv[:64] > 0).all()) and bool((inv[64:] == 0).all())
+    assert inv[1].item() == pytest.approx(1e6 ** (-2 / 512))
+    cache = norms.rope_cos_sin_cache(inv, 1000)
+    assert cache.shape == (1000, 128)
+    x = torch.randn(1, 1, 512)
+    y = norms.rope_reference(x, torch.tensor([777]), cache)
+    moved = (y != x)[0, 0]
+    assert bool(moved[:64].all()) and bool(moved[256:320].all())
+    assert not bool(moved[64:256].any()) and not bool(moved[320:].any())
+    with pytest.raises(ValueError):
+        norms.rope_inv_freq(256, 1e4, 0.25)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
+def test_cos_sin_and_rope_match_transformers_exactly(dtype, layer_type):
+    from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
+
+    rotary = hf_rotary(32, 64)
+    dim = 32 if layer_type == "sliding_attention" else 64
+    positions = torch.tensor([0, 1, 7, 300, 4095])
+    x = torch.randn(len(positions), 3, dim).to(dtype)
+    hf_cos, hf_sin = rotary(x, positions[None], layer_type)
+    cache = norms.rope_cos_sin_cache(our_inv_freq(layer_type, dim), 4096, dtype)
+    cos, sin = full_cos_sin(cache, positions, dim)
+    assert torch.equal(cos, hf_cos[0]) and torch.equal(sin, hf_sin[0])
+    expected = apply_rotary_pos_emb(x, hf_cos[0], hf_sin[0], unsqueeze_dim=1)
+    assert torch.equal(norms.rope_reference(x, positions, cache), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_scale", [True, False])
+def test_rms_norm_matches_transformers_exactly(dtype, with_scale):
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+    module = Gemma4RMSNorm(96, eps=1e-6, with_scale=with_scale)
+    weight = None
+    if with_scale:
+        with torch.no_grad():
+            module.weight.copy_(torch.rand(96) * 20)  # real norm weights are far from 1
+        weight = module.weight.detach().to(dtype)
+        module = module.to(dtype)
+    x = (torch.randn(4, 5, 96) * 3).to(dtype)
+    with torch.no_grad():
+        expected = module(x)
+    assert torch.equal(norms.rms_norm_reference(x, weight), expected)
+
+
+def test_rms_norm_naive_formula():
+    x, w = torch.randn(3, 40), torch.randn(40)
+    xd = x.double()
+    expected = xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-6) * w.double()
+    torch.testing.assert_close(norms.rms_norm_reference(x, w).double(), expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul_matches_transformers_and_formula(dtype):
+    from transformers.activations import ACT2FN
+
+    gate_up = (torch.randn(5, 2 * 48) * 3).to(dtype)
+    gate, up = gate_up[:, :48], gate_up[:, 48:]
+    out = norms.gelu_tanh_mul_reference(gate, up)
+    assert torch.equal(out, ACT2FN["gelu_pytorch_tanh"](gate) * up)
+    g = gate.double()
+    naive = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))) * up.double()
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), naive, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_matches_transformers_attention_prologue(dtype):
+    """q_norm -> RoPE, k_norm -> RoPE, v_norm as in Gemma4TextAttention.forward."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, apply_rotary_pos_emb
+
+    T, H, D = 4, 8, 64
+    rotary = hf_rotary(32, D)
+    q_norm, k_norm, v_norm = Gemma4RMSNorm(D), Gemma4RMSNorm(D), Gemma4RMSNorm(D, with_scale=False)
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.rand(D) * 10)
+        k_norm.weight.copy_(torch.rand(D) * 10)
+    q_norm, k_norm = q_norm.to(dtype), k_norm.to(dtype)
+    q, k, v = (torch.randn(T, n, D).to(dtype) for n in (H, 1, 1))
+    positions = torch.tensor([5, 6, 7, 100])
+    cos, sin = rotary(q, positions[None], "full_attention")
+    with torch.no_grad():
+        expected = (
+            apply_rotary_pos_emb(q_norm(q), cos[0], sin[0], unsqueeze_dim=1),
+            apply_rotary_pos_emb(k_norm(k), cos[0], sin[0], unsqueeze_dim=1),
+            v_norm(v),
+        )
+    cache = norms.rope_cos_sin_cache(our_inv_freq("full_attention", D), 128, dtype)
+    out = norms.qk_norm_rope_reference(
+        q, k, v, positions, cache, q_norm.weight.detach(), k_norm.weight.detach()
+    )
+    for a, b in zip(out, expected):
+        assert torch.equal(a, b)
+    shared = norms.qk_norm_rope_reference(q, None, None, positions, cache, q_norm.weight.detach(), None)
+    assert torch.equal(shared[0], expected[0]) and shared[1] is None and shared[2] is None
+
+
+def test_public_functions_use_reference_on_cpu(monkeypatch):
+    monkeypatch.setenv("QAT4_OPS", "auto")
+    x, w = torch.randn(2, 16), torch.randn(16)
+    assert torch.equal(norms.rms_norm(x, w), norms.rms_norm_reference(x, w))
+    assert torch.equal(norms.gelu_tanh_mul(x, w.expand(2, 16)), norms.gelu_tanh_mul_reference(x, w.expand(2, 16)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+
+
+def test_triton_kernels_under_interpreter():
+    """Runs this file's kernel tests in a subprocess with TRITON_INTERPRET=1."""
+    if KERNEL_DEVICE is not None:
+        pytest.skip("kernel tests run in this process")
+    run_interpreted(__file__, "kernel")
+
+
+def assert_kernel_close(actual, expected):
+    """fp32: a few ulp. 16-bit: the kernels round where HF does, but an fp32 intermediate one ulp
+    apart can flip a rounding, and RoPE's difference of two rounded products can cancel: allow two
+    ulp of the element or of the tensor's mean magnitude, whichever is larger."""
+    if expected.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    else:
+        magnitude = expected.double().abs()
+        allowed = 2 * torch.finfo(expected.dtype).eps * magnitude.clamp_min(magnitude.mean())
+        assert bool(((actual.double() - expected.double()).abs() <= allowed).all())
+
+
+def rand(*shape, dtype, scale=1.0):
+    return (torch.randn(*shape) * scale).to(dtype).to(KERNEL_DEVICE)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_kernel_rms_norm(dtype):
+    for cols in (96, 160):  # not a power of two, like the 1536-wide hidden state
+        x, w = rand(3, 5, cols, dtype=dtype, scale=3), rand(cols, dtype=dtype, scale=5)
+        assert_kernel_close(norms.rms_norm_triton(x, w), norms.rms_norm_reference(x, w))
+        assert_kernel_close(norms.rms_norm_triton(x, None), norms.rms_norm_reference(x, None))
+    strided = rand(4, 2 * 96, dtype=dtype)[:, :96]
+    assert_kernel_close(norms.rms_norm_triton(strided, None), norms.rms_norm_reference(strided, None))
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("layer_type,dim", [("sliding_attention", 32), ("full_attention", 64)])
+def test_kernel_rope_and_qk_norm_rope(dtype, layer_type, dim):
+    T, H = 5, 8
+    cache = norms.rope_cos_sin_cache(our_inv_freq(layer_type, dim), 512, dtype).to(KERNEL_DEVICE)
+    positions = torch.tensor([0, 3, 4, 200, 511], device=KERNEL_DEVICE)
+    qkv = rand(T, (H + 2) * dim, dtype=dtype, scale=2)  # fused projection output: strided views
+    q = qkv[:, : H * dim].view(T, H, dim)
+    k = qkv[:, H * dim : (H + 1) * dim].view(T, 1, dim)
+    v = qkv[:, (H + 1) * dim :].view(T, 1, dim)
+    qw, kw = rand(dim, dtype=dtype, scale=4), rand(dim, dtype=dtype, scale=4)
+    assert_kernel_close(norms.rope_triton(q, positions, cache), norms.rope_reference(q, positions, cache))
+    out = norms.qk_norm_rope_triton(q, k, v, positions, cache, qw, kw)
+    for a, b in zip(out, norms.qk_norm_rope_reference(q, k, v, positions, cache, qw, kw)):
+        assert a.shape == b.shape and a.is_contiguous()
+        assert_kernel_close(a, b)
+    q_only = norms.qk_norm_rope_triton(q, None, None, positions, cache, qw, None)
+    assert_kernel_close(q_only[0], out[0])
+    assert q_only[1] is None and q_only[2] is None
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_kernel_gelu_tanh_mul(dtype):
+    gate_up = rand(3, 2 * 1100, dtype=dtype, scale=3)  # two column blocks, the second partial
+    gate, up = gate_up[:, :1100], gate_up[:, 1100:]
+    assert_kernel_close(norms.gelu_tanh_mul_triton(gate, up), norms.gelu_tanh_mul_reference(gate, up))

@@ -1,0 +1,262 @@
+"""Packed int4 linear, output layer and embedding ops: references against dense fp64 math,
+Triton kernels against the references.
+
+The kernel tests (named test_kernel_*) run on CUDA when present, else under the Triton
+interpreter: a plain `pytest` runs them in a subprocess with TRITON_INTERPRET=1, because Triton
+reads that variable when a kernel is defined, i.e. when qat4.ops.w4_linear is first imported,
+and setting it in this process would also turn every kernel of later test modules into an
+interpreted one. The interpreter mishandles bf16 arithmetic (it truncates fp32 -> bf16 and cannot
+run bf16 tl.dot), so there bf16 appears as scales and inputs, and bf16 outputs get a wider
+tolerance; tests/gpu/test_w4_gpu.py covers bf16 at E2B shapes.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qat4.checkpoint import packing
+from qat4.errors import Qat4Error
+from qat4.ops import w4_embedding as we
+from qat4.ops import w4_linear as wl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+KERNEL_DEVICE = "cpu" if INTERPRETED else ("cuda" if torch.cuda.is_available() else None)
+kernel_test = pytest.mark.skipif(KERNEL_DEVICE is None, reason="needs CUDA or TRITON_INTERPRET=1")
+# relative Frobenius error allowed for an output of each dtype (fp32 accumulation everywhere)
+OUT_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3 if INTERPRETED else 4e-3}
+
+
+def random_weight(n, k, scale_dtype=torch.float16, seed=0, device="cpu"):
+    """Random levels in -8..7 and nonzero steps of either sign -> (levels, steps fp32, packed, scales)."""
+    g = torch.Generator().manual_seed(seed)
+    levels = torch.randint(-8, 8, (n, k), generator=g)
+    steps = (torch.rand(n, k // 32, generator=g) * 0.02 + 0.002) * (torch.randint(0, 2, (n, k // 32), generator=g) * 2 - 1)
+    scales = steps.to(scale_dtype)
+    return levels, scales.float(), packing.pack_levels(levels).to(device), scales.to(device)
+
+
+def dense(levels, steps):
+    """[N, K] fp64 weights straight from levels and steps (no unpacking involved)."""
+    n, k = levels.shape
+    return (levels.double().view(n, -1, 32) * steps.double()[:, :, None]).view(n, k)
+
+
+def rel_err(actual, expected):
+    a, e = actual.double().cpu(), expected.double().cpu()
+    return float((a - e).norm() / e.norm())
+
+
+# ----------------------------------------------------------------------------------------------
+# References
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 7, 32), (3, 40, 96), (20, 33, 256)])
+def test_linear_reference_matches_dense(m, n, k):
+    levels, steps, packed, scales = random_weight(n, k, seed=m)
+    x = torch.randn(m, k)
+    out = wl.w4_linear_reference(x, packed, scales)
+    assert out.shape == (m, n) and out.dtype == x.dtype
+    assert rel_err(out, x.double() @ dense(levels, steps).T) < 1e-6
+
+
+def test_linear_reference_keeps_x_dtype():
+    _, _, packed, scales = random_weight(16, 64)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    out = wl.w4_linear_reference(x, packed, scales)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, wl.w4_linear_reference(x.float(), packed, scales).to(torch.bfloat16))
+
+
+def test_reference_dequantises_a_large_table_in_chunks(monkeypatch):
+    """A 262,144-row table: never more than _REFERENCE_CHUNK weights dequantised at once."""
+    n, k = 262144, 64
+    packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32)
+    scales = torch.full((n, k // 32), 0.01, dtype=torch.float16)
+    largest = []
+    real = packing.dequantize
+    monkeypatch.setattr(wl, "dequantize", lambda p, s: largest.append(p.shape[0] * k) or real(p, s))
+    x = torch.randn(1, k)
+    logits = wl.w4_logits_reference(x, packed, scales)
+    assert logits.shape == (1, n) and max(largest) <= wl._REFERENCE_CHUNK
+    sample = torch.arange(0, n, 4099)
+    expected = 30 * torch.tanh(x.double() @ real(packed[sample], scales[sample]).double().T / 30)
+    assert rel_err(logits[:, sample], expected) < 1e-6
+
+
+def test_logits_and_argmax_references():
+    levels, steps, packed, scales = random_weight(50, 64)
+    x = torch.randn(3, 64) * 40  # large enough that the softcap bends
+    z = x.double() @ dense(levels, steps).T
+    logits = wl.w4_logits_reference(x, packed, scales, softcap=30.0)
+    assert logits.dtype == torch.float32 and logits.abs().max() < 30
+    assert rel_err(logits, 30 * torch.tanh(z / 30)) < 1e-6
+    assert torch.equal(wl.w4_argmax_reference(x, packed, scales), torch.argmax(z, dim=-1))
+
+
+def test_embedding_reference_is_exact():
+    levels, steps, packed, scales = random_weight(10, 96, torch.bfloat16)
+    ids = torch.tensor([[3, 0], [9, 3]])
+    out = we.w4_embedding_reference(ids, packed, scales, 39.25, torch.float32)
+    assert out.shape == (2, 2, 96)
+    assert torch.equal(out.double(), dense(levels, steps)[ids] * 39.25)
+
+
+def test_dispatch_follows_qat4_ops(monkeypatch):
+    _, _, packed, scales = random_weight(24, 64)
+    calls = []
+    monkeypatch.setattr(wl, "w4_matvec", lambda x, p, s: calls.append("matvec") or wl.w4_linear_reference(x, p, s))
+    monkeypatch.setattr(wl, "w4_matmul", lambda x, p, s: calls.append("matmul") or wl.w4_linear_reference(x, p, s))
+    x_small, x_big = torch.randn(2, 5, 64), torch.randn(17, 64)  # leading dims are flattened
+    for mode in ("auto", "reference"):
+        monkeypatch.setenv("QAT4_OPS", mode)
+        assert wl.w4_linear(x_small, packed, scales).shape == (2, 5, 24) and calls == []
+    monkeypatch.setenv("QAT4_OPS", "triton")
+    wl.w4_linear(x_small, packed, scales)
+    wl.w4_linear(x_big, packed, scales)
+    assert calls == ["matvec", "matmul"]
+    monkeypatch.setenv("QAT4_OPS", "fast")
+    with pytest.raises(Qat4Error, match="QAT4_OPS"):
+        wl.w4_linear(x_small, packed, scales)
+
+
+def test_prefill_precision_choice(monkeypatch):
+    x = torch.randn(64, 32, dtype=torch.bfloat16)
+    monkeypatch.delenv("QAT4_PREFILL_FP32", raising=False)
+    assert not wl.prefill_uses_fp32(x) and wl.prefill_uses_fp32(x, fp32=True)
+    assert wl.prefill_uses_fp32(x.float())
+    monkeypatch.setenv("QAT4_PREFILL_FP32", "1")
+    assert wl.prefill_uses_fp32(x) and not wl.prefill_uses_fp32(x, fp32=False)
+
+
+def test_shape_mismatch_is_rejected():
+    _, _, packed, scales = random_weight(8, 64)
+    with pytest.raises(ValueError, match="K/8"):
+        wl.w4_linear_reference(torch.randn(1, 32), packed, scales)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+
+
+def test_triton_kernels_under_interpreter():
+    """Runs this file's kernel tests in a subprocess with TRITON_INTERPRET=1."""
+    if KERNEL_DEVICE is not None:
+        pytest.skip("the kernel tests run in this process")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel", __file__]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def kernel_inputs(m, n, k, x_dtype, scale_dtype, seed=0):
+    _, _, packed, scales = random_weight(n, k, scale_dtype, seed=seed, device=KERNEL_DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)).to(KERNEL_DEVICE, x_dtype)
+    return x, packed, scales
+
+
+SPLIT_3 = {"RR": 4, "TR": 16, "BLOCK_G": 2, "SPLIT_K": 3}  # G = 16: splits of 6, 6 and 4 groups
+SPLIT_4_EMPTY = {"RR": 4, "TR": 8, "BLOCK_G": 1, "SPLIT_K": 4}  # G = 3: the last split has no groups
+
+
+@kernel_test
+@pytest.mark.parametrize("m,n,k,x_dtype,scale_dtype,config", [
+    (1, 37, 256, torch.float32, torch.float16, None),
+    (3, 50, 512, torch.float32, torch.bfloat16, SPLIT_3),
+    (1, 20, 96, torch.float16, torch.float16, SPLIT_4_EMPTY),
+    (16, 9, 64, torch.float16, torch.bfloat16, None),
+    (5, 33, 32, torch.bfloat16, torch.float16, {"RR": 2, "TR": 32, "BLOCK_G": 1, "SPLIT_K": 1}),
+    # no tails: the unmasked path, alone and split
+    (1, 64, 1024, torch.float32, torch.float16, {"RR": 4, "TR": 16, "BLOCK_G": 8, "SPLIT_K": 1}),
+    (2, 32, 1024, torch.float32, torch.bfloat16, {"RR": 4, "TR": 8, "BLOCK_G": 4, "SPLIT_K": 4}),
+])
+def test_kernel_matvec(m, n, k, x_dtype, scale_dtype, config):
+    x, packed, scales = kernel_inputs(m, n, k, x_dtype, scale_dtype)
+    out = wl.w4_matvec(x, packed, scales, config=config)
+    assert out.shape == (m, n) and out.dtype == x_dtype
+    assert rel_err(out, wl.w4_linear_reference(x, packed, scales)) < OUT_TOL[x_dtype]
+
+
+@kernel_test
+def test_kernel_matvec_writes_into_out_and_split_k_is_deterministic():
+    x, packed, scales = kernel_inputs(2, 24, 512, torch.float32, torch.float16)
+    out = torch.full((2, 24), float("nan"), device=KERNEL_DEVICE)
+    assert wl.w4_matvec(x, packed, scales, out, config=SPLIT_3) is out
+    again = wl.w4_matvec(x, packed, scales, config=SPLIT_3)
+    assert torch.equal(out, again)
+    assert rel_err(out, wl.w4_linear_reference(x, packed, scales)) < OUT_TOL[torch.float32]
+
+
+@kernel_test
+@pytest.mark.parametrize("m,n,k,x_dtype,fp32,config", [
+    (70, 33, 96, torch.float16, False, {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_G": 2}),
+    (17, 40, 64, torch.float32, None, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_G": 1}),
+    (33, 20, 128, torch.bfloat16, True, {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_G": 4}),
+])
+def test_kernel_matmul(m, n, k, x_dtype, fp32, config):
+    x, packed, scales = kernel_inputs(m, n, k, x_dtype, torch.bfloat16)
+    out = wl.w4_matmul(x, packed, scales, fp32=fp32, config=config)
+    assert out.shape == (m, n) and out.dtype == x_dtype
+    # the tensor-core path rounds each dequantised weight to x.dtype once
+    tol = OUT_TOL[x_dtype] if wl.prefill_uses_fp32(x, fp32) else 2 * OUT_TOL[x_dtype]
+    assert rel_err(out, wl.w4_linear_reference(x, packed, scales)) < tol
+
+
+@kernel_test
+@pytest.mark.parametrize("m", [1, 3])
+def test_kernel_logits_and_argmax(m):
+    x, packed, scales = kernel_inputs(m, 40, 128, torch.float16, torch.float16)
+    x = x * 8  # logits of tens: the softcap bends them
+    logits = wl.w4_logits_triton(x, packed, scales, 30.0)
+    assert logits.dtype == torch.float32 and logits.shape == (m, 40)
+    assert rel_err(logits, wl.w4_logits_reference(x, packed, scales, 30.0)) < 1e-5
+    top = wl.w4_argmax_triton(x, packed, scales, 30.0)
+    assert top.dtype == torch.int64
+    assert torch.equal(top, wl.w4_argmax_reference(x, packed, scales, 30.0))
+    assert torch.equal(top, torch.argmax(logits, dim=-1))
+
+
+@kernel_test
+def test_kernel_argmax_ties_go_to_the_lowest_index():
+    """Row 0 of x peaks on identical rows 21, 40 and 75 of W (bit-equal logits in three blocks of
+    rows); row 1 (= -row 0) peaks on row 76, in the last, partial block."""
+    x, packed, scales = kernel_inputs(2, 77, 64, torch.float32, torch.float16)
+    x[1] = -x[0]
+
+    def peak(v):  # the packed row whose dot product with v is largest
+        return packing.pack_levels(torch.where(v.cpu() > 0, 7, -8)[None])[0].to(KERNEL_DEVICE)
+
+    for r, v in ((21, x[0]), (40, x[0]), (75, x[0]), (76, x[1])):
+        packed[r], scales[r] = peak(v), 0.05
+    assert wl.w4_argmax_triton(x, packed, scales).tolist() == [21, 76]
+    assert wl.w4_argmax_reference(x, packed, scales).tolist() == [21, 76]
+
+
+@kernel_test
+@pytest.mark.parametrize("k,out_dtype,scale_dtype,ids", [
+    (96, torch.float32, torch.bfloat16, [[5, 0, 2], [2, 2, 4]]),
+    (8960, torch.float16, torch.float16, [[5], [0]]),
+    (64, torch.float32, torch.float16, [[3, 1]]),
+])
+def test_kernel_embedding_is_exact(k, out_dtype, scale_dtype, ids):
+    _, _, packed, scales = random_weight(6, k, scale_dtype, device=KERNEL_DEVICE)
+    ids = torch.tensor(ids, device=KERNEL_DEVICE)
+    out = we.w4_embedding_triton(ids, packed, scales, 39.25, out_dtype)
+    assert out.shape == (*ids.shape, k) and out.dtype == out_dtype
+    assert torch.equal(out, we.w4_embedding_reference(ids, packed, scales, 39.25, out_dtype))
+
+
+@kernel_test
+def test_kernel_dispatchers(monkeypatch):
+    monkeypatch.setenv("QAT4_OPS", "triton")
+    x, packed, scales = kernel_inputs(18, 24, 64, torch.float16, torch.float16)
+    reference = wl.w4_linear_reference(x, packed, scales)
+    assert rel_err(wl.w4_linear(x, packed, scales), reference) < 2 * OUT_TOL[torch.float16]
+    assert rel_err(wl.w4_linear(x[:2], packed, scales), reference[:2]) < OUT_TOL[torch.float16]
+    assert torch.equal(wl.w4_argmax(x[:3], packed, scales), wl.w4_argmax_reference(x[:3], packed, scales))
+    ids = torch.tensor([1, 23], device=KERNEL_DEVICE)
+    assert torch.equal(we.w4_embedding(ids, packed, scales, 16.0, torch.float16),
+                       we.w4_embedding_reference(ids, packed, scales, 16.0, torch.float16))

@@ -1,0 +1,168 @@
+"""Time the packed int4 kernels at Gemma 4 E2B shapes on a CUDA GPU and print one table.
+
+    python tools/bench_w4.py [--dtype bf16|fp16] [--rows 1] [--sweep] [--shapes 262144x1536,...]
+
+Decode GEMV per weight shape of one decode step: the GEMV runs over enough distinct copies of the
+matrix (>= 1 GiB in all) that every launch reads its weights from HBM, as in a real decode step;
+the launches are captured in one CUDA graph and timed with triton.testing.do_bench (median).
+bytes = N*K/2 (codes) + N*K/16 (scales) + activations; GB/s = bytes / time. The 'per token' row
+weighs each shape by its count per decode step (gemma4-e2b.md section 5.5) and compares with the
+read bandwidth measured by a plain copy. --sweep also times the candidate tilings one by one.
+Then (without --shapes): the output layer (logits, argmax), the prefill GEMM, the embeddings.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from qat4.ops import w4_linear as wl  # noqa: E402
+from qat4.ops.w4_embedding import w4_embedding  # noqa: E402
+
+# (N, K, count per decode step); the last one is the output layer
+DECODE_SHAPES = [
+    (2560, 1536, 12), (5120, 1536, 3), (2048, 1536, 16), (4096, 1536, 4), (1536, 2048, 28), (1536, 4096, 7),
+    (12288, 1536, 15), (24576, 1536, 20), (1536, 6144, 15), (1536, 12288, 20), (256, 1536, 35), (1536, 256, 35),
+    (8960, 1536, 1), (262144, 1536, 1),
+]
+PREFILL_SHAPES = [(2560, 1536), (24576, 1536), (1536, 12288), (262144, 1536)]
+# (RR, TR, BLOCK_G) GEMV tilings outside the autotune space, also timed by --sweep (no split)
+EXTRA_TILINGS = [(16, 2, 16), (8, 1, 32), (8, 2, 32), (4, 4, 16), (8, 16, 8), (4, 8, 16)]
+WORKING_SET = 1 << 30
+
+
+def random_weight(n, k, scale_dtype, device, copies=1):
+    """`copies` random packed matrices [N, K] (every int32 pattern is a valid word of 8 codes)."""
+    packed = torch.randint(-2**31, 2**31 - 1, (copies, n, k // 8), dtype=torch.int32, device=device)
+    scales = (torch.rand(copies, n, k // 32, device=device) * 0.02 + 0.001).to(scale_dtype)
+    return packed, scales
+
+
+def weight_bytes(n, k, scale_dtype):
+    return n * k // 2 + n * k // 32 * torch.finfo(scale_dtype).bits // 8
+
+
+def graph_time_us(fn, launches):
+    """Median µs per launch of `fn` (which makes `launches` launches), replayed as one CUDA graph."""
+    fn()  # compile, autotune, allocate scratch outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3 / launches
+
+
+def copy_bandwidth(device):
+    """GB/s read by a device-to-device copy of 2 GiB (read + write counted)."""
+    a = torch.empty(1 << 29, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=200, return_mode="median")
+    return 2 * a.numel() * 4 / ms / 1e6
+
+
+def bench_matvec(dtype, rows, sweep, shapes, device, peak):
+    print(f"\n# decode GEMV, x [{rows}, K] {dtype}, scales {dtype}, CUDA graph over distinct copies, median")
+    print(f"{'N x K':>14} {'count':>5} {'µs':>8} {'GB/s':>7} {'% copy':>6}  config")
+    total_us = total_bytes = 0.0
+    for n, k, count in shapes:
+        nbytes = weight_bytes(n, k, dtype) + rows * k * 2 + rows * n * 2
+        copies = max(1, min(256, WORKING_SET // nbytes))
+        packed, scales = random_weight(n, k, dtype, device, copies)
+        x = torch.randn(rows, k, dtype=dtype, device=device)
+        out = torch.empty(copies, rows, n, dtype=dtype, device=device)
+
+        def run(config=None):
+            for i in range(copies):
+                wl.w4_matvec(x, packed[i], scales[i], out[i], config=config)
+
+        us = graph_time_us(run, copies)
+        best = wl._matvec_tuned.best_config
+        gbs = nbytes / us / 1e3
+        total_us += us * count
+        total_bytes += nbytes * count
+        print(f"{n:>7} x {k:<5} {count:>5} {us:>8.2f} {gbs:>7.0f} {100 * gbs / peak:>5.0f}%  "
+              f"RR={best.kwargs['RR']} TR={best.kwargs['TR']} BG={best.kwargs['BLOCK_G']} split={best.kwargs['SPLIT_K']}")
+        if sweep:
+            tuned = wl._prune_matvec(wl._matvec_configs(), {"N": n, "G": k // 32, "M": rows, "x_ptr": x},
+                                     BLOCK_M=wl._matvec_block_m(rows))
+            extra = [{"RR": rr, "TR": tr, "BLOCK_G": bg, "SPLIT_K": 1} for rr, tr, bg in EXTRA_TILINGS]
+            for tiling in [dict(cfg.kwargs) for cfg in tuned] + extra:
+                us_t = graph_time_us(lambda: run(tiling), copies)
+                print(f"{'':>22} {us_t:>8.2f} {nbytes / us_t / 1e3:>7.0f}         {tiling}")
+        del packed, scales, out
+    gbs = total_bytes / total_us / 1e3
+    print(f"{'per token':>14} {'':>5} {total_us:>8.1f} {gbs:>7.0f} {100 * gbs / peak:>5.0f}%  "
+          f"({total_bytes / 1e9:.3f} GB over {sum(c for *_, c in shapes)} GEMVs)")
+
+
+def bench_output(dtype, device, peak):
+    n, k = 262144, 1536
+    packed, scales = random_weight(n, k, dtype, device)
+    print(f"\n# output layer {n} x {k}, fp32 logits with softcap 30")
+    print(f"{'op':>14} {'rows':>5} {'µs':>8} {'GB/s':>7} {'% copy':>6}")
+    for rows in (1, 4):
+        x = torch.randn(rows, k, dtype=dtype, device=device)
+        for name, fn, out_bytes in (("logits", wl.w4_logits_triton, rows * n * 4), ("argmax", wl.w4_argmax_triton, 0)):
+            us = graph_time_us(lambda: fn(x, packed[0], scales[0]), 1)
+            gbs = (weight_bytes(n, k, dtype) + out_bytes) / us / 1e3
+            print(f"{name:>14} {rows:>5} {us:>8.1f} {gbs:>7.0f} {100 * gbs / peak:>5.0f}%")
+
+
+def bench_prefill(dtype, device):
+    print(f"\n# prefill GEMM, {dtype}, do_bench median (TFLOP/s = 2*M*N*K / time); fp32 path at M = 512")
+    print(f"{'N x K':>14} {'M':>5} {'µs':>9} {'TFLOP/s':>8} {'fp32 TFLOP/s':>13}")
+    for n, k in PREFILL_SHAPES:
+        packed, scales = random_weight(n, k, dtype, device)
+        for m in (512, 4096):
+            x = torch.randn(m, k, dtype=dtype, device=device)
+            tflops = lambda fp32: 2 * m * n * k / 1e9 / triton.testing.do_bench(
+                lambda: wl.w4_matmul(x, packed[0], scales[0], fp32=fp32), return_mode="median")
+            tc = tflops(None)
+            f32 = f"{tflops(True):13.1f}" if m == 512 else ""
+            print(f"{n:>7} x {k:<5} {m:>5} {2 * m * n * k / tc / 1e6:>9.1f} {tc:>8.1f} {f32:>13}")
+
+
+def bench_embedding(dtype, device):
+    print("\n# embedding lookups (one token, and 512), CUDA graph, median")
+    print(f"{'table':>14} {'tokens':>6} {'µs':>8}")
+    for name, k, scale in (("embed", 1536, 39.25), ("per-layer", 8960, 16.0)):
+        packed, scales = random_weight(262144, k, torch.float16, device)
+        for t in (1, 512):
+            ids = torch.randint(0, 262144, (t,), device=device)
+            us = graph_time_us(lambda: w4_embedding(ids, packed[0], scales[0], scale, dtype), 1)
+            print(f"{name:>14} {t:>6} {us:>8.2f}")
+        del packed, scales
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    parser.add_argument("--rows", type=int, default=1, help="rows of x for the decode GEMV (1..16)")
+    parser.add_argument("--sweep", action="store_true", help="also time every GEMV tiling")
+    parser.add_argument("--shapes", help="decode shapes to time, e.g. 262144x1536,1536x12288 (default: all)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_w4 needs a CUDA GPU.")
+    device = torch.device("cuda")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    peak = copy_bandwidth(device)
+    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"copy bandwidth {peak:.0f} GB/s (read + write)")
+    shapes = DECODE_SHAPES
+    if args.shapes:
+        wanted = {tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")}
+        shapes = [shape for shape in DECODE_SHAPES if shape[:2] in wanted]
+    bench_matvec(dtype, args.rows, args.sweep, shapes, device, peak)
+    if not args.shapes:
+        bench_output(dtype, device, peak)
+        bench_prefill(dtype, device)
+        bench_embedding(dtype, device)
+
+
+if __name__ == "__main__":
+    main()
