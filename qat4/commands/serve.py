@@ -1,0 +1,94 @@
+"""`qat4 serve`: the OpenAI-compatible HTTP server and web chat page (docs/server.md)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import uvicorn
+
+from qat4.errors import Qat4Error
+
+DEFAULT_PORT = 8100
+DEFAULT_MAX_CTX = 131072
+DEFAULT_MAX_QUEUE = 8
+SHUTDOWN_GRACE_S = 5  # on Ctrl-C, answers still streaming after this long are cut (and their generation cancelled)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server with a web chat page",
+        description="Serve the model over HTTP: /v1/chat/completions, /v1/completions, /v1/models, /health, "
+                    "/metrics, /tokenize, /detokenize, /apply-template and a chat page at /. One generation "
+                    "runs at a time; others wait in a bounded queue.")
+    p.add_argument("--model", required=True, metavar="PATH|ID", help="checkpoint directory or file, or a Hugging Face model id")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
+    p.add_argument("--max-ctx", type=int, default=None, metavar="N",
+                   help=f"context length in tokens, prompt plus reply (default: the model's, at most {DEFAULT_MAX_CTX})")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--memory-cap-mib", type=int, default=None, metavar="N",
+                   help="refuse to start if weights plus KV cache would exceed N MiB of device memory")
+    p.add_argument("--api-key", default=os.environ.get("QAT4_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every API route (default: $QAT4_API_KEY, none)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                   help=f"requests that may wait while one generates; more get 429 (default: {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--model-name", default=None, metavar="NAME", help="model id reported by /v1/models (default: derived from --model)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn log level (default: info)")
+    p.set_defaults(run=run)
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def model_name_for(model: str) -> str:
+    """The /v1/models id: a hub id as given, a local path by its last component."""
+    path = Path(model)
+    return path.resolve().name if path.exists() else model
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which on Ctrl-C first stops the generations so open answers end at once."""
+
+    def __init__(self, config: uvicorn.Config, stop_generating: Callable[[], None]):
+        super().__init__(config)
+        self._stop_generating = stop_generating
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._loop is not None:  # in a signal handler: hand the work to the event loop
+            self._loop.call_soon_threadsafe(self._stop_generating)
+        super().handle_exit(sig, frame)
+
+
+def run(args: argparse.Namespace) -> int:
+    from qat4.engine import Engine
+    from qat4.server.app import create_app
+
+    if args.max_queue < 0:
+        raise Qat4Error(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"qat4 serve: warning: listening on {args.host} without --api-key; anyone who can reach it can use it",
+              file=sys.stderr)
+    engine = Engine.load(args.model, device=args.device or _default_device(), max_ctx=args.max_ctx,
+                         memory_cap_mib=args.memory_cap_mib)
+    app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue,
+                     model_name=args.model_name or model_name_for(args.model))
+    print(f"qat4 serve: {app.state.model_name}, context {engine.max_ctx} tokens, on http://{args.host}:{args.port}/",
+          file=sys.stderr)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    _Server(config, app.state.scheduler.close).run()
+    return 0

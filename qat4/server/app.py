@@ -1,0 +1,232 @@
+"""The FastAPI application: OpenAI-compatible routes, llama.cpp-style utility routes, the chat page.
+
+Every error is OpenAI's JSON shape. Unexpected exceptions become a logged 500 and the server
+carries on. With an API key every route but `/` and `/health` needs `Authorization: Bearer KEY`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from qat4.engine import DEFAULT_STOP_IDS
+from qat4.errors import Qat4Error
+from qat4.server.completions import Completions
+from qat4.server.errors import APIError, bad_request
+from qat4.server.generation import Generation, Scheduler, engine_token_source
+from qat4.server.metrics import Metrics
+from qat4.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Model,
+                                 TokenizeRequest, parse_body)
+
+log = logging.getLogger("qat4.server")
+
+PUBLIC_PATHS = frozenset({"/", "/health"})
+MAX_BODY_BYTES = 64 << 20
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CLIENT_GONE = 499  # status recorded for requests whose client disconnected (nginx's convention)
+
+
+class Gate:
+    """ASGI middleware: API-key check, request metrics, and a JSON 500 for unexpected exceptions."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, metrics: Metrics, endpoints: frozenset[str]):
+        self.app, self.api_key, self.metrics, self.endpoints = app, api_key, metrics, endpoints
+
+    def _authorized(self, scope: Scope) -> bool:
+        if not self.api_key or scope["path"] in PUBLIC_PATHS:
+            return True
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, state = time.perf_counter(), {"status": 500, "started": False}
+
+        async def tracked_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                state["status"], state["started"] = message["status"], True
+            await send(message)
+
+        try:
+            if self._authorized(scope):
+                await self.app(scope, receive, tracked_send)
+            else:
+                error = APIError(401, "Missing or wrong API key; send 'Authorization: Bearer KEY'.",
+                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await error.response()(scope, receive, tracked_send)
+        except ClientDisconnect:  # gone while sending its body: nobody to answer
+            state["status"] = CLIENT_GONE
+        except Exception as exc:
+            log.exception("unexpected error on %s %s", scope.get("method"), scope["path"])
+            if not state["started"]:
+                error = APIError(500, f"Internal server error ({type(exc).__name__}); the server logged it.",
+                                 type="server_error")
+                await error.response()(scope, receive, tracked_send)
+        finally:
+            endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
+            self.metrics.requests.inc(endpoint, str(state["status"]))
+            self.metrics.latency.observe(time.perf_counter() - start)
+
+
+async def parse(model: type[Model], request: Request) -> Model:
+    """The request body (at most MAX_BODY_BYTES) validated as `model`, parsed off the event loop."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"The request body is larger than {MAX_BODY_BYTES >> 20} MiB.")
+        chunks.append(chunk)
+    return await asyncio.to_thread(parse_body, model, b"".join(chunks))
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns once the client has disconnected (the body must be read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[dict[str, Any]]) -> Response:
+    """Run `work` (a whole, non-streamed answer), cancelling it if the client goes away first."""
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            t.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        return Response(status_code=CLIENT_GONE)  # nobody is listening any more
+    return JSONResponse(task.result())
+
+
+async def respond(request: Request, gen: Generation, streamed: bool,
+                  stream: Callable[[], AsyncIterator[str]], whole: Callable[[], Awaitable[dict[str, Any]]]) -> Response:
+    """Send a queued generation as SSE or as one JSON object; whatever happens to the request
+    (finished, failed, client gone before or during the answer), the generation is dropped after."""
+    if streamed:
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS,
+                                 background=BackgroundTask(gen.cancel))
+    try:
+        return await _unless_disconnected(request, whole())
+    finally:
+        gen.cancel()
+
+
+def create_app(engine: Any, *, api_key: str | None = None, max_queue: int = 8,
+               model_name: str = "gemma-4-e2b-it") -> FastAPI:
+    """The server app over a loaded engine (anything with the Engine's encode/stream/tokenizer/
+    config/max_ctx surface). At most `max_queue` requests wait while one generates."""
+    if engine.tokenizer is None:
+        raise Qat4Error("the model has no tokenizer; the server needs one to render chats and decode replies")
+    metrics = Metrics()
+    scheduler = Scheduler(engine_token_source(engine), DEFAULT_STOP_IDS, max_queue, metrics)
+    completions = Completions(engine, scheduler, model_name)
+    tokenizer = engine.tokenizer
+    page = resources.files("qat4.server").joinpath("static/index.html").read_text(encoding="utf-8")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        scheduler.close()
+
+    app = FastAPI(title="qat4", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.model_name, app.state.metrics, app.state.scheduler = model_name, metrics, scheduler
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(Qat4Error)
+    async def _qat4_error(request: Request, exc: Qat4Error) -> JSONResponse:
+        return bad_request(str(exc)).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}.", type=kind).response()
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> HTMLResponse:
+        return HTMLResponse(page)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": model_name, "queue_depth": int(metrics.queue_depth.value()),
+                "busy": bool(metrics.busy.value())}
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "qat4",
+                "max_model_len": engine.max_ctx, "context_length": engine.max_ctx}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise APIError(404, f"The model '{model_id}' does not exist; this server has '{model_name}'.",
+                           type="not_found_error", param="model", code="model_not_found")
+        return model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await parse(ChatCompletionRequest, request)
+        prepared = await asyncio.to_thread(completions.prepare_chat, req)
+        gen = completions.start(prepared)
+        return await respond(request, gen, req.stream, partial(completions.chat_stream, prepared, gen),
+                             partial(completions.chat, prepared, gen))
+
+    @app.post("/v1/completions")
+    async def text_completions(request: Request) -> Response:
+        req = await parse(CompletionRequest, request)
+        prepared = await asyncio.to_thread(completions.prepare_text, req)
+        gen = completions.start(prepared)
+        return await respond(request, gen, req.stream, partial(completions.text_stream, prepared, gen),
+                             partial(completions.text, prepared, gen))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = await parse(TokenizeRequest, request)
+        ids = await asyncio.to_thread(tokenizer.encode, req.content, add_bos=req.add_special)
+        return {"tokens": list(ids)}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = await parse(DetokenizeRequest, request)
+        vocab = engine.config.vocab_size
+        bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"Token id {req.tokens[bad]} at tokens[{bad}] is outside the vocabulary of {vocab}.",
+                              param=f"tokens[{bad}]")
+        return {"content": await asyncio.to_thread(tokenizer.decode, req.tokens, skip_special=False)}
+
+    @app.post("/apply-template")
+    async def apply_template(request: Request) -> dict[str, Any]:
+        req = await parse(ChatCompletionRequest, request)
+        return {"prompt": (await asyncio.to_thread(completions.render, req)).text}
+
+    endpoints = frozenset(r.path for r in app.routes if hasattr(r, "path")) - {"/v1/models/{model_id:path}"}
+    app.add_middleware(Gate, api_key=api_key, metrics=metrics, endpoints=endpoints)
+    return app

@@ -1,0 +1,214 @@
+"""Chat and text completions: request -> prompt ids -> queued generation -> OpenAI JSON or SSE.
+
+Chat replies go through the chat module's parser, so thinking comes back as `reasoning_content`
+and tool calls as `tool_calls`, in whole responses and in streamed deltas alike.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from qat4.chat import ReplyStream, parse_reply
+from qat4.errors import Qat4Error
+from qat4.server.chat_prompt import ChatPrompt, build_chat_prompt
+from qat4.server.errors import APIError, bad_request
+from qat4.server.generation import Finished, Generation, QueueFull, GenerationParams, Scheduler, ShuttingDown
+from qat4.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request, ready to queue."""
+
+    prompt_ids: list[int]
+    params: GenerationParams
+    include_usage: bool
+    reply_prefix: str = ""
+    thinking: bool = False
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _usage(done: Finished) -> dict[str, int]:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens}
+
+
+def _tool_call(call: Any, index: int | None = None) -> dict[str, Any]:
+    out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+           "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
+    return out if index is None else {"index": index, **out}
+
+
+async def _collect(gen: Generation) -> tuple[str, Finished]:
+    """All the text of a generation, and how it finished."""
+    parts: list[str] = []
+    async with aclosing(gen.events()) as events:
+        async for item in events:
+            if isinstance(item, Finished):
+                return "".join(parts), item
+            parts.append(item)
+    raise RuntimeError("the generation ended without finishing")
+
+
+def _error_event(exc: Exception) -> dict[str, Any]:
+    if isinstance(exc, APIError):
+        return exc.body()
+    kind = "invalid_request_error" if isinstance(exc, Qat4Error) else "server_error"
+    return {"error": {"message": str(exc), "type": kind, "param": None, "code": None}}
+
+
+class Completions:
+    """The OpenAI completion endpoints over one engine and its scheduler."""
+
+    def __init__(self, engine: Any, scheduler: Scheduler, model_name: str):
+        self.engine, self.scheduler, self.model_name = engine, scheduler, model_name
+        self.tokenizer = engine.tokenizer
+
+    # ---- requests -> prompt ids ----------------------------------------------------------------
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids to text with special tokens kept (the reply parser needs them)."""
+        return self.tokenizer.decode(ids, skip_special=False)
+
+    def _params(self, req: SamplingRequest, prompt_n: int, max_tokens: int | None, param: str,
+                prompt_param: str) -> GenerationParams:
+        """Sampling for the engine; 400 stating both numbers when the prompt and the reply do not fit."""
+        room = self.engine.max_ctx - prompt_n
+        if max_tokens is None:
+            if room < 1:
+                raise bad_request(f"The prompt has {prompt_n} tokens, which leaves no room in the context of "
+                                  f"{self.engine.max_ctx} tokens.", param=prompt_param, code="context_length_exceeded")
+            max_tokens = room
+        elif prompt_n + max_tokens > self.engine.max_ctx:
+            raise bad_request(f"The prompt has {prompt_n} tokens and {param} asks for {max_tokens} more, "
+                              f"{prompt_n + max_tokens} in all, but the context holds {self.engine.max_ctx} tokens.",
+                              param=param, code="context_length_exceeded")
+        return GenerationParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                              seed=req.seed, stop=tuple(req.stop_strings()))
+
+    def _encode(self, prompt: str | list[int], param: str) -> list[int]:
+        try:
+            return self.engine.encode(prompt)
+        except Qat4Error as exc:
+            raise bad_request(str(exc), param=param) from None
+
+    def render(self, req: ChatCompletionRequest) -> ChatPrompt:
+        """The prompt a chat request becomes, with the checkpoint's chat template."""
+        return build_chat_prompt(req, self.tokenizer.chat_template)
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        """Render and encode a chat request and check it fits the context (CPU work: call off the loop)."""
+        prompt = self.render(req)
+        ids = self._encode(prompt.text, "messages")
+        param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        params = self._params(req, len(ids), req.token_limit(), param, "messages")
+        return Prepared(ids, params, req.include_usage, prompt.reply_prefix, prompt.thinking)
+
+    def prepare_text(self, req: CompletionRequest) -> Prepared:
+        """Encode a raw prompt and check it fits the context (CPU work: call off the loop)."""
+        ids = self._encode(req.prompt, "prompt")
+        return Prepared(ids, self._params(req, len(ids), req.max_tokens, "max_tokens", "prompt"), req.include_usage)
+
+    def start(self, prepared: Prepared) -> Generation:
+        """Queue the generation; 429 with Retry-After when the queue is full, 503 when shutting down."""
+        try:
+            return self.scheduler.submit(prepared.prompt_ids, prepared.params, self.decode)
+        except QueueFull as exc:
+            raise APIError(429, f"{exc} {self.scheduler.max_queue} requests are already waiting.",
+                           type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(exc.retry_after)}) from None
+        except ShuttingDown as exc:
+            raise APIError(503, str(exc), type="server_error", code="shutting_down") from None
+
+    # ---- chat ------------------------------------------------------------------------------------
+
+    def _envelope(self, kind: str, rid: str, created: int) -> dict[str, Any]:
+        return {"id": rid, "object": kind, "created": created, "model": self.model_name}
+
+    async def chat(self, prepared: Prepared, gen: Generation) -> dict[str, Any]:
+        """The whole chat.completion object."""
+        text, done = await _collect(gen)
+        reply = parse_reply(prepared.reply_prefix + text, thinking=prepared.thinking)
+        calls = [_tool_call(c) for c in reply.tool_calls]
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content if (reply.content or not calls) else None}
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
+        if calls:
+            message["tool_calls"] = calls
+        reason = "tool_calls" if calls else done.finish_reason
+        return {**self._envelope("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", int(time.time())),
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}],
+                "usage": _usage(done), "timings": done.timings.as_dict()}
+
+    async def chat_stream(self, prepared: Prepared, gen: Generation) -> AsyncIterator[str]:
+        """chat.completion.chunk events: the role, then reasoning/content/tool-call deltas, the finish
+        reason with timings, the usage (when asked) and [DONE]. An error mid-stream is sent as an
+        error event before [DONE]."""
+        head = self._envelope("chat.completion.chunk", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
+
+        def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+            return sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra})
+
+        parser, calls, done = ReplyStream(thinking=prepared.thinking), 0, None
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            async with aclosing(gen.events()) as events:
+                parsed = parser.feed(prepared.reply_prefix)
+                async for item in events:
+                    if isinstance(item, Finished):
+                        done, parsed = item, parsed + parser.flush()
+                    else:
+                        parsed += parser.feed(item)
+                    for event in parsed:
+                        if event.kind == "tool_call":
+                            yield chunk({"tool_calls": [_tool_call(event.tool_call, calls)]})
+                            calls += 1
+                        else:
+                            yield chunk({"content" if event.kind == "content" else "reasoning_content": event.text})
+                    parsed = []
+            reason = "tool_calls" if calls else done.finish_reason
+            yield chunk({}, reason, timings=done.timings.as_dict())
+            if prepared.include_usage:
+                yield sse({**head, "choices": [], "usage": _usage(done), "timings": done.timings.as_dict()})
+        except Exception as exc:  # the status line is sent already: report in-band
+            yield sse(_error_event(exc))
+        yield sse("[DONE]")
+
+    # ---- text ------------------------------------------------------------------------------------
+
+    async def text(self, prepared: Prepared, gen: Generation) -> dict[str, Any]:
+        """The whole text_completion object."""
+        text, done = await _collect(gen)
+        return {**self._envelope("text_completion", f"cmpl-{uuid.uuid4().hex}", int(time.time())),
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}],
+                "usage": _usage(done), "timings": done.timings.as_dict()}
+
+    async def text_stream(self, prepared: Prepared, gen: Generation) -> AsyncIterator[str]:
+        """text_completion chunks, the usage (when asked) and [DONE]."""
+        head = self._envelope("text_completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()))
+
+        def chunk(text: str, finish: str | None = None, **extra: Any) -> str:
+            return sse({**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **extra})
+
+        try:
+            async with aclosing(gen.events()) as events:
+                async for item in events:
+                    if isinstance(item, Finished):
+                        yield chunk("", item.finish_reason, timings=item.timings.as_dict())
+                        if prepared.include_usage:
+                            yield sse({**head, "choices": [], "usage": _usage(item)})
+                    else:
+                        yield chunk(item)
+        except Exception as exc:
+            yield sse(_error_event(exc))
+        yield sse("[DONE]")

@@ -1,0 +1,146 @@
+"""Prometheus text exposition (format 0.0.4) of the server's counters, gauges and histograms.
+
+Hand-written so the server needs no client library. Every metric is process-wide and guarded by
+one lock, since the worker thread and the event loop both update them.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable, Sequence
+
+LabelKey = tuple[str, ...]
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(names: Sequence[str], values: LabelKey, extra: str = "") -> str:
+    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values)]
+    if extra:
+        parts.append(extra)
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+def _number(x: float) -> str:
+    if math.isinf(x):
+        return "+Inf" if x > 0 else "-Inf"
+    return repr(float(x)) if not float(x).is_integer() else str(int(x))
+
+
+class _Metric:
+    kind = ""
+
+    def __init__(self, name: str, help_text: str, labels: Sequence[str], lock: threading.Lock):
+        self.name, self.help, self.label_names, self._lock = name, help_text, tuple(labels), lock
+
+    def _header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+
+
+class Counter(_Metric):
+    """A monotonically increasing count per label set."""
+
+    kind = "counter"
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self._values: dict[LabelKey, float] = {}
+
+    def inc(self, *labels: str, amount: float = 1.0) -> None:
+        with self._lock:
+            self._values[labels] = self._values.get(labels, 0.0) + amount
+
+    def value(self, *labels: str) -> float:
+        with self._lock:
+            return self._values.get(labels, 0.0)
+
+    def render(self) -> list[str]:
+        lines = self._header()
+        for key, v in sorted(self._values.items()):
+            lines.append(f"{self.name}{_labels(self.label_names, key)} {_number(v)}")
+        if not self._values and not self.label_names:
+            lines.append(f"{self.name} 0")
+        return lines
+
+
+class Gauge(_Metric):
+    """A value that goes up and down (no labels)."""
+
+    kind = "gauge"
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self._value = 0.0
+
+    def set(self, value: float) -> None:
+        with self._lock:
+            self._value = float(value)
+
+    def value(self) -> float:
+        with self._lock:
+            return self._value
+
+    def render(self) -> list[str]:
+        return self._header() + [f"{self.name} {_number(self._value)}"]
+
+
+class Histogram(_Metric):
+    """Cumulative buckets, sum and count of observed values (no labels)."""
+
+    kind = "histogram"
+
+    def __init__(self, name: str, help_text: str, buckets: Iterable[float], lock: threading.Lock):
+        super().__init__(name, help_text, (), lock)
+        self.bounds = tuple(sorted(buckets)) + (math.inf,)
+        self._counts = [0] * len(self.bounds)
+        self._sum = 0.0
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._sum += value
+            for i, bound in enumerate(self.bounds):
+                if value <= bound:
+                    self._counts[i] += 1
+                    break
+
+    def count(self) -> int:
+        with self._lock:
+            return sum(self._counts)
+
+    def render(self) -> list[str]:
+        lines, running = self._header(), 0
+        for bound, n in zip(self.bounds, self._counts):
+            running += n
+            lines.append(f'{self.name}_bucket{{le="{_number(bound)}"}} {running}')
+        lines.append(f"{self.name}_sum {_number(self._sum)}")
+        lines.append(f"{self.name}_count {running}")
+        return lines
+
+
+class Metrics:
+    """The server's metrics; `render()` gives the /metrics body."""
+
+    def __init__(self) -> None:
+        lock = threading.Lock()
+        self._lock = lock
+        self.requests = Counter("qat4_requests_total", "HTTP requests by endpoint and status code.", ("endpoint", "status"), lock)
+        self.prompt_tokens = Counter("qat4_prompt_tokens_total", "Prompt tokens read by finished generations.", (), lock)
+        self.generated_tokens = Counter("qat4_generated_tokens_total", "Tokens generated.", (), lock)
+        self.generations = Counter("qat4_generations_total", "Generations by finish reason.", ("finish_reason",), lock)
+        self.rejected = Counter("qat4_queue_rejections_total", "Requests answered 429 because the queue was full.", (), lock)
+        self.latency = Histogram("qat4_request_duration_seconds", "HTTP request latency, to the last byte sent.", LATENCY_BUCKETS, lock)
+        self.ttft = Histogram("qat4_time_to_first_token_seconds", "From a generation request's arrival (queue wait included) to its first token.", LATENCY_BUCKETS, lock)
+        self.queue_depth = Gauge("qat4_queue_depth", "Generation requests waiting for the engine.", (), lock)
+        self.busy = Gauge("qat4_engine_busy", "1 while the engine is generating.", (), lock)
+
+    def render(self) -> str:
+        with self._lock:
+            metrics = (self.requests, self.prompt_tokens, self.generated_tokens, self.generations, self.rejected,
+                       self.latency, self.ttft, self.queue_depth, self.busy)
+            lines = [line for m in metrics for line in m.render()]
+        return "\n".join(lines) + "\n"

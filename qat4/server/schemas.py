@@ -1,0 +1,219 @@
+"""Request bodies of every endpoint, validated strictly (no silent type coercion).
+
+`parse_body` turns raw bytes into a model or raises an APIError whose one sentence names the
+field at fault, e.g. `Invalid value for 'messages[0].role': Input should be 'system', ...`.
+Unknown fields are ignored, so clients that send extra OpenAI parameters keep working.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from qat4.server.errors import APIError, bad_request
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Strict):
+    """One OpenAI chat message; content is a string or a list of text parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("must be a string, a list of text parts or null")
+        for part in value:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ValueError('only text content parts ({"type": "text", "text": "..."}) are supported')
+        return value
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+def _check_stop(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) <= 16 and all(isinstance(s, str) and s for s in value):
+        return value
+    raise ValueError("must be a string or a list of at most 16 non-empty strings")
+
+
+class SamplingRequest(_Strict):
+    """Parameters shared by chat and text completions; unset sampling options come from the
+    checkpoint's generation_config (Gemma 4: temperature 1.0, top_k 64, top_p 0.95)."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    seed: int | None = None
+    stop: Any = None
+    n: int = Field(default=1, ge=1, le=1)
+
+    _stop = field_validator("stop")(_check_stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions (and /apply-template, which renders the same prompt)."""
+
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Any = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    response_format: ResponseFormat | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        if value is None or value in ("auto", "none", "required"):
+            return value
+        if (isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict)
+                and isinstance(value["function"].get("name"), str)):
+            return value
+        raise ValueError('must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}')
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and "enable_thinking" in value and not isinstance(value["enable_thinking"], bool):
+            raise ValueError("enable_thinking must be true or false")
+        return value
+
+    def token_limit(self) -> int | None:
+        """max_completion_tokens, else max_tokens, else None (the rest of the context)."""
+        return self.max_completion_tokens or self.max_tokens
+
+    def thinking(self) -> bool:
+        """Thinking is on with chat_template_kwargs.enable_thinking, or any reasoning_effort but "none"."""
+        kwargs = self.chat_template_kwargs or {}
+        if "enable_thinking" in kwargs:
+            return kwargs["enable_thinking"]
+        return self.reasoning_effort is not None and self.reasoning_effort != "none"
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions: a raw prompt (text or token ids), no chat template."""
+
+    prompt: Any
+    max_tokens: int | None = Field(default=16, ge=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+            return value[0]
+        if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return value
+        raise ValueError("must be a string, a list holding one string, or a non-empty list of token ids")
+
+
+class TokenizeRequest(_Strict):
+    content: str
+    add_special: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    tokens: list[int]
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def parse_body(model: type[Model], raw: bytes) -> Model:
+    """Decode a JSON body into `model`; any problem becomes a 400 naming the field."""
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}).") from None
+    except UnicodeDecodeError:
+        raise bad_request("The request body is not valid UTF-8 JSON.") from None
+    except RecursionError:
+        raise bad_request("The request body nests JSON too deeply.") from None
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be a JSON object.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The first problem pydantic found, as one sentence naming the field."""
+    err = exc.errors(include_url=False)[0]
+    param = _field_path(tuple(err["loc"]))
+    if err["type"] == "missing":
+        return bad_request(f"Missing required parameter '{param}'.", param=param)
+    message = str(err["msg"]).removeprefix("Value error, ").rstrip(".")
+    return bad_request(f"Invalid value for '{param}': {message}.", param=param)
