@@ -1,42 +1,52 @@
-"""transformers' own Gemma 4 on a PackedModel's weights: the yardstick for parity tests and the
-`--peers hf` benchmark. Needs `transformers` (a test and benchmark dependency, not a runtime one).
-"""
+"""transformers' own Gemma 4 holding the dense, dequantised weights of a PackedModel: the reference
+the engine is checked against (CPU parity tests, GPU tests) and the `qat4 bench --peers hf` peer.
+Needs `transformers`, a test and benchmark dependency rather than a runtime one."""
 
 from __future__ import annotations
 
 import torch
+from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 from qat4.checkpoint.packed_model import PackedModel
 from qat4.checkpoint.packing import PackedTensor
 
 
-def hf_state_dict(model: PackedModel, dtype: torch.dtype, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-    """Dense weights under `Gemma4ForCausalLM` names; 4-bit matrices dequantised (exact for on-grid values)."""
-    out = {}
-    for name, t in model.tensors.items():
-        dense = t.to(device).dequantize(dtype) if isinstance(t, PackedTensor) else t.to(device, dtype)
-        key = f"model.{name}" if name.endswith("layer_scalar") else f"model.{name}.weight"
-        out[key] = dense
-    if model.lm_head is not None:
-        out["lm_head.weight"] = model.lm_head.to(device).dequantize(dtype)
-    return out
+def hf_config(packed: PackedModel) -> Gemma4TextConfig:
+    config = Gemma4TextConfig(**packed.config.to_hf_text_dict())
+    config._attn_implementation = "eager"
+    config.tie_word_embeddings = packed.lm_head is None
+    return config
 
 
-def hf_model(model: PackedModel, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-             attn_implementation: str = "eager"):
-    """A transformers `Gemma4ForCausalLM` holding exactly the PackedModel's values, in eval mode."""
-    from transformers import Gemma4ForCausalLM
-    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+@torch.no_grad()
+def hf_model(packed: PackedModel, device: str | torch.device = "cpu") -> Gemma4ForCausalLM:
+    """An fp32 ``Gemma4ForCausalLM`` (eager attention) with every weight of ``packed`` dequantised.
 
-    text = model.config.to_hf_text_dict()
-    text.pop("model_type")
-    text["tie_word_embeddings"] = model.lm_head is None
-    config = Gemma4TextConfig(**text)
-    config._attn_implementation = attn_implementation
+    Built on ``device`` and filled tensor by tensor, so no second dense copy is ever held.
+    """
     with torch.device(device):
-        hf = Gemma4ForCausalLM(config).to(dtype)
-    missing, unexpected = hf.load_state_dict(hf_state_dict(model, dtype, device), strict=False)
-    missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        raise RuntimeError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return hf.eval()
+        model = Gemma4ForCausalLM(hf_config(packed))
+    targets = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, t in packed.tensors.items():
+        key = "model." + name + ("" if name.endswith("layer_scalar") else ".weight")
+        targets[key].copy_(t.dequantize(torch.float32) if isinstance(t, PackedTensor) else t.float())
+    if packed.lm_head is not None:
+        model.lm_head.weight.copy_(packed.lm_head.dequantize(torch.float32))
+    assert packed.lm_head is not None or model.lm_head.weight is model.model.embed_tokens.weight
+    return model.eval()
+
+
+def cast(model: Gemma4ForCausalLM, dtype: torch.dtype) -> Gemma4ForCausalLM:
+    """``model.to(dtype)`` in place, with the RoPE inverse frequencies kept in fp32 as a model
+    loaded with ``from_pretrained(..., dtype=dtype)`` has them."""
+    rotary = model.model.rotary_emb
+    saved = {name: buf.clone() for name, buf in rotary.named_buffers()}
+    model.to(dtype)
+    for name, buf in saved.items():
+        setattr(rotary, name, buf)
+    return model
+
+
+def rel_max_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref|."""
+    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max())

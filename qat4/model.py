@@ -1,0 +1,244 @@
+"""The Gemma 4 text decoder over a PackedModel, written once on top of qat4.ops.
+
+Every op dispatches itself (CPU tensors: torch references; CUDA tensors: Triton kernels), so the
+same code runs a tiny model on the CPU against transformers and E2B on a GPU. Weights stay packed
+int4; at load time q/k/v (KV-owning layers) and gate/up are merged by row concatenation, group
+steps are converted once to the compute dtype, and RoPE cos/sin tables are built per layer type.
+
+Shapes: T tokens, D hidden, H query heads, d head dim of the layer (one KV head), I MLP width,
+L layers, P per-layer-input width, V vocabulary. Spec: docs/gemma4-e2b.md §3-4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from qat4.cache import KV, KVCache
+from qat4.checkpoint.packed_model import PackedModel
+from qat4.checkpoint.packing import PackedTensor
+from qat4.errors import Qat4Error
+from qat4.ops.attention import decode_attention, prefill_attention
+from qat4.ops.norms import gelu_tanh_mul, qk_norm_rope, rms_norm, rope_cos_sin_cache, rope_inv_freq
+from qat4.ops.w4_embedding import w4_embedding
+from qat4.ops.w4_linear import w4_argmax, w4_linear, w4_logits
+
+Attend = Callable[["Layer", torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+"""(layer, q [T, H, d], k [T, 1, d] | None, v [T, 1, d] | None) -> attention output [T, H, d]."""
+
+
+def linear(x: torch.Tensor, w: PackedTensor) -> torch.Tensor:
+    """x [T, in] @ w.T -> [T, out] straight from the packed words."""
+    return w4_linear(x, w.packed, w.scales)
+
+
+def dtype_round(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype``, as transformers casts its embedding scales (√1536 -> 39.25 in bf16)."""
+    return float(torch.tensor(value, dtype=torch.float32).to(dtype))
+
+
+@dataclass
+class Layer:
+    """One decoder layer's weights (matrices packed, vectors in the compute dtype) and facts."""
+
+    index: int
+    kind: str  # config layer type: rope table and mask
+    head_dim: int
+    window: int | None  # sliding window in positions, None on full-attention layers
+    owns_kv: bool
+    qkv: PackedTensor  # [H*d (+ 2d when owns_kv), D]: q, then k and v rows
+    o_proj: PackedTensor  # [D, H*d]
+    gate_up: PackedTensor  # [2I, D]: gate rows, then up rows
+    down: PackedTensor  # [D, I]
+    ple_gate: PackedTensor  # per_layer_input_gate [P, D]
+    ple_proj: PackedTensor  # per_layer_projection [D, P]
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    pre_feedforward_norm: torch.Tensor
+    post_feedforward_norm: torch.Tensor
+    post_ple_norm: torch.Tensor
+    q_norm: torch.Tensor  # [d]
+    k_norm: torch.Tensor | None  # [d], KV-owning layers only
+    scalar: torch.Tensor  # layer_scalar [1]
+
+
+class Gemma4:
+    """The text decoder on one device in one compute dtype.
+
+    ``prefill`` runs a chunk of tokens at consecutive positions and fills the cache; ``decode``
+    runs one token whose position is a device tensor (graph-capturable). Both return the
+    final-normed hidden states; ``logits`` / ``argmax`` apply the output layer and softcap.
+    """
+
+    def __init__(self, model: PackedModel, device: torch.device | str, dtype: torch.dtype, max_positions: int):
+        cfg = self.config = model.config
+        self.device, self.dtype = torch.device(device), dtype
+        self.eps = cfg.rms_norm_eps
+        self.heads = cfg.num_attention_heads
+        self.softcap = cfg.final_logit_softcapping
+        self.embed_tokens = self._matrix(model["embed_tokens"])
+        self.output = self.embed_tokens if model.lm_head is None else self._matrix(model.lm_head)
+        self.ple_table = self._matrix(model["embed_tokens_per_layer"])
+        self.ple_projection = self._matrix(model["per_layer_model_projection"])
+        self.ple_norm = self._vector(model["per_layer_projection_norm"])
+        self.norm = self._vector(model["norm"])
+        self.embed_scale = dtype_round(cfg.hidden_size**0.5, dtype)
+        self.ple_scale = dtype_round(cfg.hidden_size_per_layer_input**0.5, dtype)
+        self.layers = [self._layer(model, i) for i in range(cfg.num_hidden_layers)]
+        self.rope = {kind: self._rope_table(kind, max_positions) for kind in set(cfg.layer_types)}
+
+    def _matrix(self, t: PackedTensor) -> PackedTensor:
+        """A packed matrix on the device with its group steps in the compute dtype."""
+        return t.to(self.device, scale_dtype=self.dtype)
+
+    def _vector(self, t: torch.Tensor) -> torch.Tensor:
+        """A norm weight or layer scalar on the device in the compute dtype."""
+        return t.to(self.device, self.dtype)
+
+    def _layer(self, model: PackedModel, i: int) -> Layer:
+        """Layer i's weights, q/k/v and gate/up merged by row concatenation."""
+        cfg, p = self.config, f"layers.{i}."
+        mat = lambda name: self._matrix(model[name])  # noqa: E731
+        vec = lambda name: self._vector(model[name])  # noqa: E731
+        attn = p + "self_attn."
+        owns = cfg.owns_kv(i)
+        qkv = model[attn + "q_proj"]
+        if owns:
+            qkv = qkv.cat_rows(model[attn + "k_proj"], model[attn + "v_proj"])
+        return Layer(
+            index=i,
+            kind=cfg.layer_types[i],
+            head_dim=cfg.layer_head_dim(i),
+            window=cfg.sliding_window if cfg.is_sliding(i) else None,
+            owns_kv=owns,
+            qkv=self._matrix(qkv),
+            o_proj=mat(attn + "o_proj"),
+            gate_up=self._matrix(model[p + "mlp.gate_proj"].cat_rows(model[p + "mlp.up_proj"])),
+            down=mat(p + "mlp.down_proj"),
+            ple_gate=mat(p + "per_layer_input_gate"),
+            ple_proj=mat(p + "per_layer_projection"),
+            input_norm=vec(p + "input_layernorm"),
+            post_attention_norm=vec(p + "post_attention_layernorm"),
+            pre_feedforward_norm=vec(p + "pre_feedforward_layernorm"),
+            post_feedforward_norm=vec(p + "post_feedforward_layernorm"),
+            post_ple_norm=vec(p + "post_per_layer_input_norm"),
+            q_norm=vec(attn + "q_norm"),
+            k_norm=vec(attn + "k_norm") if owns else None,
+            scalar=vec(p + "layer_scalar"),
+        )
+
+    def _rope_table(self, kind: str, max_positions: int) -> torch.Tensor:
+        """cos/sin table [max_positions, 2 n_rot] of one layer type (spec §2.3)."""
+        params = self.config.rope_parameters[kind]
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in ("default", "proportional") or params.get("factor", 1.0) != 1.0:
+            raise Qat4Error(
+                f"config field rope_parameters.{kind} asks for RoPE scaling {rope_type!r}, which qat4 does not run"
+            )
+        head_dim = self.config.layer_head_dim(self.config.layer_types.index(kind))
+        inv_freq = rope_inv_freq(
+            head_dim, float(params["rope_theta"]), float(params.get("partial_rotary_factor", 1.0)),
+            proportional=rope_type == "proportional",
+        )
+        return rope_cos_sin_cache(inv_freq.to(self.device), max_positions, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every weight and table this model holds on its device (shared tensors once)."""
+        seen: dict[int, int] = {}
+
+        def add(t):
+            if isinstance(t, PackedTensor):
+                add(t.packed)
+                add(t.scales)
+            elif isinstance(t, torch.Tensor):
+                seen[t.data_ptr()] = t.numel() * t.element_size()
+
+        for t in (self.embed_tokens, self.output, self.ple_table, self.ple_projection, self.ple_norm, self.norm,
+                  *self.rope.values()):
+            add(t)
+        for layer in self.layers:
+            for t in vars(layer).values():
+                add(t)
+        return sum(seen.values())
+
+    # ---- forward -----------------------------------------------------------------------------
+
+    def embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [T] int64 -> (h0 [T, D], per-layer inputs [T, L, P]), spec §3.2-3.3."""
+        cfg = self.config
+        T, L, P = ids.shape[0], cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
+        h = w4_embedding(ids, self.embed_tokens.packed, self.embed_tokens.scales, self.embed_scale, self.dtype)
+        token_part = w4_embedding(ids, self.ple_table.packed, self.ple_table.scales, self.ple_scale, self.dtype)
+        context = linear(h, self.ple_projection) * cfg.hidden_size**-0.5
+        context = rms_norm(context.view(T, L, P), self.ple_norm, self.eps)
+        return h, (context + token_part.view(T, L, P)) * 2**-0.5
+
+    def _block(self, layer: Layer, h: torch.Tensor, ple: torch.Tensor, positions: torch.Tensor,
+               attend: Attend) -> torch.Tensor:
+        """One decoder layer on h [T, D], spec §3.4."""
+        T, H, d, eps = h.shape[0], self.heads, layer.head_dim, self.eps
+        qkv = linear(rms_norm(h, layer.input_norm, eps), layer.qkv)
+        q = qkv[:, : H * d].view(T, H, d)
+        k = qkv[:, H * d : (H + 1) * d].view(T, 1, d) if layer.owns_kv else None
+        v = qkv[:, (H + 1) * d :].view(T, 1, d) if layer.owns_kv else None
+        q, k, v = qk_norm_rope(q, k, v, positions, self.rope[layer.kind], layer.q_norm, layer.k_norm, eps)
+        o = attend(layer, q, k, v)
+        h = h + rms_norm(linear(o.reshape(T, H * d), layer.o_proj), layer.post_attention_norm, eps)
+
+        gate_up = linear(rms_norm(h, layer.pre_feedforward_norm, eps), layer.gate_up)
+        width = gate_up.shape[1] // 2
+        mlp = linear(gelu_tanh_mul(gate_up[:, :width], gate_up[:, width:]), layer.down)
+        h = h + rms_norm(mlp, layer.post_feedforward_norm, eps)
+
+        gated = gelu_tanh_mul(linear(h, layer.ple_gate), ple[:, layer.index])
+        h = h + rms_norm(linear(gated, layer.ple_proj), layer.post_ple_norm, eps)
+        return h * layer.scalar
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        h, ple = self.embed(ids)
+        for layer in self.layers:
+            h = self._block(layer, h, ple, positions, attend)
+        return rms_norm(h, self.norm, self.eps)
+
+    def prefill(self, ids: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
+        """ids [T] at positions start .. start+T-1 -> final-normed hidden [T, D]; fills the cache.
+
+        KV-shared layers attend over exactly what their source layer attended over in this chunk
+        (for a sliding source: its ring before the chunk, then the chunk), as transformers does.
+        """
+        positions = cache.positions[start : start + ids.shape[0]]
+        seen: dict[int, KV] = {}
+
+        def attend(layer: Layer, q, k, v):
+            if layer.owns_kv:
+                seen[layer.index] = cache.prefill(layer.index, k[:, 0], v[:, 0], start)
+            keys, values, key_pos = seen[self.config.kv_source(layer.index)]
+            return prefill_attention(q, keys, values, positions, key_pos, window=layer.window)
+
+        return self._forward(ids, positions, attend)
+
+    def decode(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """ids [1] at position ``pos`` ([1] int64 on the device) -> final-normed hidden [1, D].
+
+        Shapes and launches do not depend on the position: one capture serves every step.
+        """
+
+        def attend(layer: Layer, q, k, v):
+            if layer.owns_kv:
+                cache.append(layer.index, k[:, 0], v[:, 0], pos)
+            keys, values, slot_pos = cache.view(layer.index)
+            return decode_attention(q[0], keys, values, pos, window=layer.window, slot_pos=slot_pos)[None]
+
+        return self._forward(ids, pos, attend)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-normed h [T, D] -> softcapped logits [T, V] fp32."""
+        return w4_logits(h, self.output.packed, self.output.scales, self.softcap)
+
+    def argmax(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-normed h [T, D] -> greedy token ids [T] int64 (the logits are never stored)."""
+        return w4_argmax(h, self.output.packed, self.output.scales, self.softcap)
+

@@ -1,0 +1,139 @@
+"""The engine's CPU path (torch reference ops, fp32) against transformers 5.17's own Gemma 4.
+
+One tiny synthetic model (every structural feature of E2B, the real 262,144-token vocabulary,
+weights exactly on the 4-bit grid) is given to both: packed to the engine, dequantised to
+`Gemma4ForCausalLM` (eager attention, fp32). Its sliding window is 8 positions, so sequences of
+40+ tokens wrap every ring several times, and the KV-shared layers read rings and full caches.
+"""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from qat4.cache import KVCache
+from qat4.checkpoint.synth import synthetic_model
+from qat4.config import TINY
+from qat4.engine import Engine
+from qat4.reference import hf_config, hf_model, rel_max_error
+
+SEQ = 48  # positions: six sliding windows
+PREFILL_TOL = 1e-4  # max |engine - HF| / max |HF| over all logits
+CHUNKS = (3, 5, 8, 13, SEQ)  # below, at and above the window, and one shot
+
+
+@pytest.fixture(scope="module")
+def packed():
+    return synthetic_model(TINY, seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf(packed):
+    return hf_model(packed)
+
+
+@pytest.fixture(scope="module")
+def engines(packed):
+    """One fp32 CPU engine per prefill chunk size (they share nothing but the packed weights)."""
+    return {c: Engine.from_packed(packed, "cpu", max_ctx=256, prefill_chunk=c) for c in CHUNKS}
+
+
+@pytest.fixture(scope="module")
+def ids():
+    g = torch.Generator().manual_seed(1)
+    return [TINY.bos_token_id] + torch.randint(3, TINY.vocab_size, (SEQ - 1,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def test_engine_is_fp32_on_cpu(engines):
+    engine = engines[SEQ]
+    assert engine.dtype == torch.float32 and engine.device.type == "cpu"
+    assert engine.model.embed_scale == float(torch.tensor(TINY.hidden_size**0.5))  # fp32 sqrt, as HF in fp32
+
+
+@pytest.fixture(scope="module")
+def engine_logits(engines, ids):
+    """Engine logits of ids, per prefill chunk size."""
+    return {c: engines[c].logits(ids) for c in CHUNKS}
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_prefill_logits_match_hf(engine_logits, hf_logits, chunk):
+    got = engine_logits[chunk]
+    err = rel_max_error(got, hf_logits)
+    print(f"prefill in chunks of {chunk}: rel. max error vs HF {err:.2e}")
+    assert err < PREFILL_TOL
+    assert torch.equal(got.argmax(-1), hf_logits.argmax(-1))
+
+
+@pytest.mark.parametrize("chunk", CHUNKS[:-1])
+def test_chunked_prefill_equals_one_shot(engine_logits, chunk):
+    one_shot, got = engine_logits[SEQ], engine_logits[chunk]
+    err = rel_max_error(got, one_shot)
+    print(f"prefill in chunks of {chunk} vs one shot: rel. max error {err:.2e}")
+    assert err < PREFILL_TOL  # fp32 rounding of different matmul shapes, amplified by the norms
+    assert torch.equal(got.argmax(-1), one_shot.argmax(-1))
+
+
+@pytest.mark.parametrize("prompt_len", [1, 11])
+def test_decode_matches_hf_past_key_values(packed, hf, engines, ids, prompt_len):
+    """Prefill prompt_len tokens, then one token at a time to SEQ, on both sides."""
+    cache = DynamicCache(config=hf_config(packed))
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        ref = [hf(tokens[:, :prompt_len], past_key_values=cache, use_cache=True).logits[0, -1:]]
+        for i in range(prompt_len, SEQ):
+            ref.append(hf(tokens[:, i : i + 1], past_key_values=cache, use_cache=True).logits[0])
+    ref = torch.cat(ref)
+
+    engine = engines[8]
+    model, kv = engine.model, engine.cache
+    kv.reset()
+    with torch.no_grad():
+        hidden = [model.prefill(tokens[0, :prompt_len], 0, kv)[-1:]]
+        pos = torch.tensor([prompt_len])
+        for i in range(prompt_len, SEQ):
+            hidden.append(model.decode(tokens[0, i : i + 1], pos, kv))
+            pos += 1
+        got = model.logits(torch.cat(hidden))
+    err = rel_max_error(got, ref)
+    print(f"decode after a {prompt_len}-token prefill: rel. max error {err:.2e}")
+    assert err < PREFILL_TOL
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_greedy_64_tokens_match_hf_generate(hf, engines, ids):
+    prompt = ids[:12]
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, eos_token_id=None,
+                          pad_token_id=TINY.pad_token_id)
+    expected = out[0, len(prompt):].tolist()
+    assert len(expected) == 64
+    got = engines[5].generate(prompt, max_new_tokens=64, temperature=0, stop_token_ids=[])  # prompt in 3 chunks
+    assert got.tokens == expected
+    assert got.finish_reason == "length"
+
+
+def test_sliding_ring_holds_last_window(engines, ids):
+    """After a chunked prefill, each ring holds exactly the last W positions at slot pos % W."""
+    engine = engines[13]
+    engine.logits(ids[:30])
+    window = TINY.sliding_window
+    for layer, kv in engine.cache.layers.items():
+        if TINY.is_sliding(layer):
+            expected = torch.tensor([p for p in range(30 - window, 30)])
+            assert torch.equal(kv.slot_pos, expected[torch.argsort(expected % window)])
+    engine.cache.reset()
+    assert all(bool((kv.slot_pos == -1).all()) for kv in engine.cache.layers.values() if kv.ring)
+
+
+def test_cache_accounting(engines):
+    cache: KVCache = engines[SEQ].cache
+    assert cache.nbytes == KVCache.estimate_nbytes(TINY, 256, torch.float32)
+    assert set(cache.layers) == set(range(TINY.first_kv_shared_layer))
+    for layer, kv in cache.layers.items():
+        assert kv.k.shape == ((TINY.sliding_window if TINY.is_sliding(layer) else 256), TINY.layer_head_dim(layer))
