@@ -231,10 +231,10 @@ def progress(line: str) -> None:
 def run_hf_peer(packed, device: torch.device, prompt: int, new: int, report: BenchReport, log=print) -> dict:
     """transformers' Gemma4ForCausalLM (bf16, eager attention, dynamic cache) on the same weights:
     decode tok/s after a 16-token prompt, prompt tok/s, and qat4's ratios over both."""
-    from qat4.reference import hf_model
+    from qat4.reference import cast, hf_model
 
     log("building transformers' Gemma 4 in bf16 on the same weights")
-    hf = hf_model(packed, torch.bfloat16, device)
+    hf = cast(hf_model(packed, device), torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     short = torch.randint(3, packed.config.vocab_size, (1, 16), generator=g).to(device)
 

@@ -11,6 +11,13 @@ from qat4.errors import Qat4Error
 
 # Subcommand modules in the order `qat4 --help` lists them.
 COMMANDS = [
+    "synth",
+    "generate",
+    "serve",
+    "ask",
+    "bench",
+    "repack",
+    "verify",
 ]
 
 

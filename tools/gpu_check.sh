@@ -12,7 +12,6 @@ if [ -d .whl ]; then
 else
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-qat4() { python3 -m qat4.cli "$@"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
@@ -21,15 +20,15 @@ steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
 want() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 0; done; return 1; }
 
 if want tests; then
-    python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+    timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if want kernels; then
-    python3 tools/bench_w4.py 2>&1 | tee "$OUT/bench_w4.log" | tail -30
-    python3 tools/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" | tail -20
+    timeout 120 python3 tools/bench_w4.py 2>&1 | tee "$OUT/bench_w4.log" | tail -30
+    timeout 90 python3 tools/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" | tail -20
 fi
 if want bench; then
-    qat4 bench --model synthetic:e2b --depths 0,4096,32768,131072 --new 128 --prompt 4096 \
+    timeout 240 python3 -m qat4.cli bench --model synthetic:e2b --depths 0,4096,32768,131072 --new 128 --prompt 4096 \
         --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -20
-    qat4 bench --model synthetic:e2b --depths 131072 --new 64 --prompt 4096 --memory-cap-mib 3732 \
+    timeout 150 python3 -m qat4.cli bench --model synthetic:e2b --depths 131072 --new 64 --prompt 4096 --memory-cap-mib 3732 \
         --json "$OUT/bench_cap.json" 2>&1 | tee "$OUT/bench_cap.log" | tail -8
 fi

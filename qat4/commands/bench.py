@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
 from qat4.errors import Qat4Error
 
 SYNTHETIC = "synthetic:"
@@ -45,8 +43,10 @@ def _depths(text: str) -> list[int]:
     return depths
 
 
-def load_packed_for_bench(model: str, device: torch.device, seed: int):
+def load_packed_for_bench(model: str, device, seed: int):
     """A PackedModel in host memory: synthetic (made on `device`, then moved) or read from disk."""
+    import torch
+
     if model.startswith(SYNTHETIC):
         from qat4.checkpoint.synth import synthetic_model
         from qat4.config import PRESETS
@@ -65,6 +65,8 @@ def load_packed_for_bench(model: str, device: torch.device, seed: int):
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from qat4 import bench
     from qat4.engine import Engine
 
