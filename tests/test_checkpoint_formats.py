@@ -152,6 +152,22 @@ def test_format_loads_the_same_levels_and_steps(fmt, folders, loaded, reference)
     assert model.source == folders[fmt]
 
 
+def test_every_format_gives_identical_logits(loaded, reference, tmp_path):
+    """The same synthetic weights saved as ct, ct-emb4, bf16 QAT and Q4_0 GGUF: bit-identical logits."""
+    from qat4.checkpoint.gguf import write_gguf
+    from qat4.engine import Engine
+
+    gguf = tmp_path / "tiny.gguf"
+    write_gguf(gguf, TINY, synthetic_tensors(TINY, SEED), synthetic_aux())
+    models = {**loaded, "gguf": load_packed(gguf)}
+    ids = [2, 651, 6437, 1007, 236764, 3, 42, 107, 9259, 1902, 108, 106]
+    logits = {fmt: Engine.from_packed(model).logits(ids) for fmt, model in models.items()}
+    first = logits.pop("ct")
+    assert first.shape == (len(ids), TINY.vocab_size) and torch.isfinite(first).all()
+    for fmt, got in logits.items():
+        assert torch.equal(got, first), fmt
+
+
 def test_grid_reports_cover_every_recovered_matrix(sources, loaded):
     for fmt in ("ct", "qat-bf16"):
         reports = sources[fmt].grid_reports()
