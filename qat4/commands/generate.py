@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from qat4.commands.model_args import add_model_arguments, resolve_device
 from qat4.errors import Qat4Error
 
 
@@ -14,7 +15,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Load a checkpoint, generate from one prompt and print the text on stdout; a one-line "
                     "timing summary goes to stderr. The prompt is --prompt, else standard input. Unset "
                     "sampling options come from the checkpoint's generation_config; --temperature 0 is greedy.")
-    p.add_argument("--model", required=True, metavar="PATH|ID", help="checkpoint directory or file, or a Hugging Face model id")
+    add_model_arguments(p)
     p.add_argument("--prompt", default=None, help="prompt text (default: read standard input)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn of the chat template")
     p.add_argument("--max-new", type=int, default=256, metavar="N", help="most tokens to generate (default: 256)")
@@ -22,21 +23,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=None, metavar="K", help="keep the K most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=None, metavar="P", help="keep the most likely tokens up to probability P")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for sampling")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--max-ctx", type=int, default=None, metavar="N", help="context length in tokens (default: 131072 or the model's)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from qat4.engine import Engine
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt:
         raise Qat4Error("the prompt is empty; pass --prompt TEXT or pipe text on standard input")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = Engine.load(args.model, device=device, max_ctx=args.max_ctx)
+    engine = Engine.load(args.model, device=resolve_device(args.device), max_ctx=args.max_ctx)
     if args.chat:
         from qat4.chat import render_prompt
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import uvicorn
 
+from qat4.commands.model_args import add_model_arguments, resolve_device
 from qat4.errors import Qat4Error
 
 DEFAULT_PORT = 8100
-DEFAULT_MAX_CTX = 131072
 DEFAULT_MAX_QUEUE = 8
 SHUTDOWN_GRACE_S = 5  # on Ctrl-C, answers still streaming after this long are cut (and their generation cancelled)
 
@@ -25,12 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Serve the model over HTTP: /v1/chat/completions, /v1/completions, /v1/models, /health, "
                     "/metrics, /tokenize, /detokenize, /apply-template and a chat page at /. One generation "
                     "runs at a time; others wait in a bounded queue.")
-    p.add_argument("--model", required=True, metavar="PATH|ID", help="checkpoint directory or file, or a Hugging Face model id")
+    add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
-    p.add_argument("--max-ctx", type=int, default=None, metavar="N",
-                   help=f"context length in tokens, prompt plus reply (default: the model's, at most {DEFAULT_MAX_CTX})")
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available, else cpu")
     p.add_argument("--memory-cap-mib", type=int, default=None, metavar="N",
                    help="refuse to start if weights plus KV cache would exceed N MiB of device memory")
     p.add_argument("--api-key", default=os.environ.get("QAT4_API_KEY"), metavar="KEY",
@@ -41,12 +38,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level (default: info)")
     p.set_defaults(run=run)
-
-
-def _default_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def model_name_for(model: str) -> str:
@@ -82,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"qat4 serve: warning: listening on {args.host} without --api-key; anyone who can reach it can use it",
               file=sys.stderr)
-    engine = Engine.load(args.model, device=args.device or _default_device(), max_ctx=args.max_ctx,
+    engine = Engine.load(args.model, device=resolve_device(args.device), max_ctx=args.max_ctx,
                          memory_cap_mib=args.memory_cap_mib)
     app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue,
                      model_name=args.model_name or model_name_for(args.model))
