@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from qat4.errors import Qat4Error
@@ -29,8 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # A terminated command unwinds like Ctrl-C, so writers remove their temporary files.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return int(args.run(args) or 0)
     except Qat4Error as exc:

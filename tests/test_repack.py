@@ -4,6 +4,8 @@ failed, off-grid or interrupted run leaves nothing behind; the CLI speaks in one
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -167,6 +169,31 @@ def test_cli_repack_reports_progress_and_result(bf16, tmp_path, capsys):
     assert "tensor 163/163" in captured.err and "GB written" in captured.err
     assert captured.out.startswith(f"wrote {tmp_path / 'm.gguf'}: gguf, 163 tensors")
     assert "peak RSS" in captured.out and "100.00% of" in captured.out
+
+
+@pytest.mark.parametrize("to", ["ct-emb4", "gguf"])
+def test_cli_terminated_mid_write_leaves_nothing(bf16, tmp_path, monkeypatch, capsys, to):
+    """SIGTERM (a killed job, a closed terminal) unwinds like Ctrl-C: no output, no temporary folder."""
+    from qat4.commands.progress import ProgressLine
+
+    update, calls = ProgressLine.update, []
+
+    def update_then_terminate(self, text):
+        calls.append(text)
+        if len(calls) == 20:
+            os.kill(os.getpid(), signal.SIGTERM)
+        update(self, text)
+
+    monkeypatch.setattr(ProgressLine, "update", update_then_terminate)
+    out_root = tmp_path / "out"
+    out_root.mkdir()
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(["repack", str(bf16), str(out_root / OUT_NAME[to]), "--to", to]) == 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert capsys.readouterr().err.endswith("qat4 repack: interrupted\n")
+    assert len(calls) >= 20 and leftovers(out_root) == []
 
 
 def test_cli_refuses_an_existing_output_without_force(bf16, tmp_path, capsys):
