@@ -18,7 +18,9 @@ from qat4.reference import hf_config, hf_model, rel_max_error
 
 SEQ = 48  # positions: six sliding windows
 PREFILL_TOL = 1e-4  # max |engine - HF| / max |HF| over all logits
-CHUNKS = (3, 5, 8, 13, SEQ)  # below, at and above the window, and one shot
+CHUNKS = (3, 8, 13, SEQ)  # below, at and above the window, and one shot
+PROMPT_CHUNKS = (13, 7)  # the decode test's prompt: a chunk above the window, then one below
+PROMPT = sum(PROMPT_CHUNKS)
 
 
 @pytest.fixture(scope="module")
@@ -79,14 +81,14 @@ def test_chunked_prefill_equals_one_shot(engine_logits, chunk):
     assert torch.equal(got.argmax(-1), one_shot.argmax(-1))
 
 
-@pytest.mark.parametrize("prompt_len", [1, 11])
-def test_decode_matches_hf_past_key_values(packed, hf, engines, ids, prompt_len):
-    """Prefill prompt_len tokens, then one token at a time to SEQ, on both sides."""
+def test_decode_matches_hf_past_key_values(packed, hf, engines, ids):
+    """Prefill PROMPT tokens (chunks above and below the window), then one token at a time to SEQ,
+    on both sides: decode crosses the window boundary of every ring several times."""
     cache = DynamicCache(config=hf_config(packed))
     tokens = torch.tensor([ids])
     with torch.no_grad():
-        ref = [hf(tokens[:, :prompt_len], past_key_values=cache, use_cache=True).logits[0, -1:]]
-        for i in range(prompt_len, SEQ):
+        ref = [hf(tokens[:, :PROMPT], past_key_values=cache, use_cache=True).logits[0, -1:]]
+        for i in range(PROMPT, SEQ):
             ref.append(hf(tokens[:, i : i + 1], past_key_values=cache, use_cache=True).logits[0])
     ref = torch.cat(ref)
 
@@ -94,14 +96,18 @@ def test_decode_matches_hf_past_key_values(packed, hf, engines, ids, prompt_len)
     model, kv = engine.model, engine.cache
     kv.reset()
     with torch.no_grad():
-        hidden = [model.prefill(tokens[0, :prompt_len], 0, kv)[-1:]]
-        pos = torch.tensor([prompt_len])
-        for i in range(prompt_len, SEQ):
+        start = 0
+        for chunk in PROMPT_CHUNKS:
+            h = model.prefill(tokens[0, start : start + chunk], start, kv)
+            start += chunk
+        hidden = [h[-1:]]
+        pos = torch.tensor([PROMPT])
+        for i in range(PROMPT, SEQ):
             hidden.append(model.decode(tokens[0, i : i + 1], pos, kv))
             pos += 1
         got = model.logits(torch.cat(hidden))
     err = rel_max_error(got, ref)
-    print(f"decode after a {prompt_len}-token prefill: rel. max error {err:.2e}")
+    print(f"decode from position {PROMPT} to {SEQ - 1}: rel. max error vs HF {err:.2e}")
     assert err < PREFILL_TOL
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
@@ -113,7 +119,7 @@ def test_greedy_64_tokens_match_hf_generate(hf, engines, ids):
                           pad_token_id=TINY.pad_token_id)
     expected = out[0, len(prompt):].tolist()
     assert len(expected) == 64
-    got = engines[5].generate(prompt, max_new_tokens=64, temperature=0, stop_token_ids=[])  # prompt in 3 chunks
+    got = engines[3].generate(prompt, max_new_tokens=64, temperature=0, stop_token_ids=[])  # prompt in 4 chunks
     assert got.tokens == expected
     assert got.finish_reason == "length"
 
