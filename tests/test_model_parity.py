@@ -6,6 +6,8 @@ weights exactly on the 4-bit grid) is given to both: packed to the engine, dequa
 40+ tokens wrap every ring several times, and the KV-shared layers read rings and full caches.
 """
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -14,7 +16,7 @@ from qat4.cache import KVCache
 from qat4.checkpoint.synth import synthetic_model
 from qat4.config import TINY
 from qat4.engine import Engine
-from qat4.reference import hf_config, hf_model, rel_max_error
+from qat4.reference import cast, hf_config, hf_model, rel_max_error
 
 SEQ = 48  # positions: six sliding windows
 PREFILL_TOL = 1e-4  # max |engine - HF| / max |HF| over all logits
@@ -143,3 +145,30 @@ def test_cache_accounting(engines):
     assert set(cache.layers) == set(range(TINY.first_kv_shared_layer))
     for layer, kv in cache.layers.items():
         assert kv.k.shape == ((TINY.sliding_window if TINY.is_sliding(layer) else 256), TINY.layer_head_dim(layer))
+
+
+def _agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+    """(mean KL(softmax ref || softmax got), share of positions with the same top-1)."""
+    lr, lg = torch.log_softmax(ref.float(), -1), torch.log_softmax(got.float(), -1)
+    return float((lr.exp() * (lr - lg)).sum(-1).mean()), float((lr.argmax(-1) == lg.argmax(-1)).float().mean())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_engine_within_hf_yardstick(packed, hf, dtype):
+    """A 16-bit engine against HF fp32, judged by HF's own run in that dtype (engineering §4).
+
+    On this tiny model a handful of chaotic positions dominate the mean KL of both runs (their
+    ratio moves between 0.7 and 1.8 from one random prompt to another), so the bound here is 3x
+    HF's KL and 3 points of top-1; a wrong rounding point or scale costs far more. The E2B-shaped
+    GPU test holds the engine to 2x and 2 points."""
+    g = torch.Generator().manual_seed(2)
+    ids = [TINY.bos_token_id] + torch.randint(3, TINY.vocab_size, (199,), generator=g).tolist()
+    with torch.no_grad():
+        fp32 = hf(torch.tensor([ids])).logits[0]
+        low = cast(copy.deepcopy(hf), dtype)(torch.tensor([ids])).logits[0]
+    engine = Engine.from_packed(packed, "cpu", dtype=dtype, max_ctx=256, prefill_chunk=64)
+    kl, top1 = _agreement(fp32, engine.logits(ids))
+    hf_kl, hf_top1 = _agreement(fp32, low)
+    print(f"{dtype}: engine KL {kl:.2e} top-1 {top1:.3f}; transformers KL {hf_kl:.2e} top-1 {hf_top1:.3f}")
+    assert kl <= 3 * hf_kl
+    assert top1 >= hf_top1 - 0.03
