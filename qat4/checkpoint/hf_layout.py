@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from qat4.checkpoint.packed_model import Tensor, TensorSpec, expected_tensors, is_unused_shared_kv
+from qat4.checkpoint.packed_model import Tensor, TensorSpec, check_tensor, expected_tensors, is_unused_shared_kv
 from qat4.checkpoint.packing import GROUP, PER_WORD, GridReport, PackedTensor, dequantize, recover_grid
 from qat4.checkpoint.safetensors_io import DEFAULT_SHARD_BYTES, Entry, SafetensorsReader, SafetensorsWriter, write_text_atomic
 from qat4.checkpoint.source import AuxFiles
@@ -305,15 +305,6 @@ def dense_chunks(tensor: PackedTensor, dtype: torch.dtype, chunk_elements: int =
         yield dequantize(tensor.packed[start : start + step], tensor.scales[start : start + step], dtype)
 
 
-def _check_input(name: str, tensor: Tensor, spec: TensorSpec) -> None:
-    if spec.packed != isinstance(tensor, PackedTensor):
-        kind = "a 4-bit matrix (PackedTensor)" if spec.packed else "a dense tensor"
-        raise Qat4Error(f"tensor {name} should be {kind}")
-    shape = tensor.shape if isinstance(tensor, PackedTensor) else tuple(tensor.shape)
-    if tuple(shape) != spec.shape:
-        raise Qat4Error(f"tensor {name} has shape {list(shape)}; the config expects {list(spec.shape)}")
-
-
 @contextmanager
 def staged_folder(out_dir: Path, overwrite: bool) -> Iterator[Path]:
     """A temporary sibling folder that replaces `out_dir` only when the block completes."""
@@ -376,7 +367,7 @@ def write_folder(
                     if name == LM_HEAD:
                         raise Qat4Error("tensor lm_head cannot be written: this layout's output layer is embed_tokens (emb4 stores its copy)")
                     raise Qat4Error(f"tensor {name} is not part of the Gemma 4 text model its config describes, so it cannot be written")
-                _check_input(name, tensor, stores[0].spec)
+                check_tensor(name, tensor, stores[0].spec)
                 for store in stores:
                     for key, data in store.encode(tensor):
                         writer.write(key, data)

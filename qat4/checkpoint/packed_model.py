@@ -80,6 +80,17 @@ def is_unused_shared_kv(config: Gemma4Config, name: str) -> bool:
     return bool(m) and not config.owns_kv(int(m.group(1)))
 
 
+def check_tensor(name: str, tensor: Tensor, spec: TensorSpec, where: str | None = None) -> None:
+    """Raise Qat4Error unless `tensor` has the kind (4-bit or dense) and shape `spec` gives."""
+    place = f" in {where}" if where else ""
+    if spec.packed != isinstance(tensor, PackedTensor):
+        kind = "a 4-bit matrix" if spec.packed else "a dense tensor"
+        raise Qat4Error(f"tensor {name}{place} should be {kind}")
+    shape = tensor.shape if isinstance(tensor, PackedTensor) else tuple(tensor.shape)
+    if tuple(shape) != spec.shape:
+        raise Qat4Error(f"tensor {name}{place} has shape {list(shape)}; the config expects {list(spec.shape)}")
+
+
 @dataclass
 class PackedModel:
     """A Gemma 4 text model with every matrix on the 4-bit grid, ready for qat4.model."""
@@ -99,12 +110,7 @@ class PackedModel:
             t = self.tensors.get(name)
             if t is None:
                 raise Qat4Error(f"{where} has no tensor for {name}")
-            if spec.packed != isinstance(t, PackedTensor):
-                kind = "a 4-bit matrix" if spec.packed else "a dense tensor"
-                raise Qat4Error(f"tensor {name} in {where} should be {kind}")
-            shape = t.shape if isinstance(t, PackedTensor) else tuple(t.shape)
-            if tuple(shape) != spec.shape:
-                raise Qat4Error(f"tensor {name} in {where} has shape {list(shape)}, expected {list(spec.shape)}")
+            check_tensor(name, t, spec, where)
         if self.lm_head is not None and self.lm_head.shape != (self.config.vocab_size, self.config.hidden_size):
             raise Qat4Error(f"tensor lm_head in {where} has shape {list(self.lm_head.shape)}, expected {[self.config.vocab_size, self.config.hidden_size]}")
 
