@@ -214,17 +214,17 @@ class SafetensorsFolderSource:
         if "weight_packed" in found:
             return self._read_packed(found, spec)
         key = found["weight"]
-        tensor = self.files.get(key)
-        if spec is not None and tuple(tensor.shape) != spec.shape:
+        rows = self.files.rows(key)
+        if spec is not None and tuple(rows.shape) != spec.shape:
             raise Qat4Error(
-                f"tensor {key} in {self.files.file_of(key)} has shape {list(tensor.shape)}; the config expects {list(spec.shape)}"
+                f"tensor {key} in {self.files.file_of(key)} has shape {list(rows.shape)}; the config expects {list(spec.shape)}"
             )
         if spec is not None and spec.packed:
-            packed, report = recover_grid(tensor, f"{key} in {self.files.file_of(key)}", RECOVERED_SCALE_DTYPE)
+            packed, report = recover_grid(rows, f"{key} in {self.files.file_of(key)}", RECOVERED_SCALE_DTYPE)
             report.name = key
             self._reports[name] = report
             return packed
-        return tensor
+        return self.files.get(key)
 
     def _read_packed(self, found: dict[str, str], spec: TensorSpec | None) -> PackedTensor:
         packed_key, scale_key, shape_key = (found[p] for p in PACKED_PARTS)

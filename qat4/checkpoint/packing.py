@@ -113,7 +113,9 @@ def recover_grid(
 ) -> tuple[PackedTensor, GridReport]:
     """Recover the trained (level, step) of every group of 32 along each row of a 16-bit matrix.
 
-    weight: [rows, cols] bf16/fp16/fp32 whose groups are `step x level` up to 16-bit rounding.
+    weight: [rows, cols] bf16/fp16/fp32 whose groups are `step x level` up to 16-bit rounding: a
+    tensor, or anything with `.shape`, `.dim()` and row slicing (a reader's :class:`RowSlices`),
+    which is then read a row chunk at a time. The result is allocated once and filled in place.
     Per group: for m = 1..8 try step = amax / m and keep the first that reproduces every value
     within 2^-7 amax with levels in -8..7 (amax / 8 alone is wrong whenever the peak is not at
     level -8); refine the step by least squares, round it to `scale_dtype`, recompute the levels.
@@ -123,15 +125,16 @@ def recover_grid(
         raise Qat4Error(f"tensor {name} has shape {tuple(weight.shape)}; a 4-bit matrix needs 2 dims and columns a multiple of {GROUP}")
     rows, cols = weight.shape
     chunk = max(1, _ROW_CHUNK_ELEMENTS // cols)
-    packed_parts, scale_parts = [], []
+    packed = torch.empty(rows, cols // PER_WORD, dtype=torch.int32)
+    scales = torch.empty(rows, cols // GROUP, dtype=scale_dtype)
     report = GridReport(name)
     for start in range(0, rows, chunk):
         block = weight[start : start + chunk]
         levels, steps, part = _recover_block(block, name, start, scale_dtype)
-        packed_parts.append(pack_levels(levels))
-        scale_parts.append(steps)
+        packed[start : start + chunk] = pack_levels(levels)
+        scales[start : start + chunk] = steps
         report.add(part)
-    return PackedTensor(torch.cat(packed_parts), torch.cat(scale_parts)), report
+    return PackedTensor(packed, scales), report
 
 
 def _recover_block(block: torch.Tensor, name: str, row0: int, scale_dtype: torch.dtype):

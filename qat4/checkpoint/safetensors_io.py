@@ -276,6 +276,11 @@ class SafetensorsReader:
         """The stored shape, from the header alone."""
         return list(self._handles[self._file_of[key]].get_slice(key).get_shape())
 
+    def rows(self, key: str) -> "RowSlices":
+        """Tensor `key` read on demand a block of rows at a time (whole-tensor reads copy it)."""
+        file = self._file_of[key]
+        return RowSlices(self._handles[file].get_slice(key), f"tensor {key} in {file}")
+
     def get(self, key: str) -> torch.Tensor:
         """The tensor in its stored dtype, backed by the memory map until touched."""
         file = self._file_of[key]
@@ -283,3 +288,21 @@ class SafetensorsReader:
             return self._handles[file].get_tensor(key)
         except SafetensorError as exc:
             raise Qat4Error(f"tensor {key} in {file} cannot be read ({exc})") from None
+
+
+class RowSlices:
+    """A stored tensor as `.shape`, `.dim()` and `[a:b]` row reads: only the rows asked for are
+    read from the file, so a multi-gigabyte table passes through memory a block at a time."""
+
+    def __init__(self, handle, where: str):
+        self._handle, self._where = handle, where
+        self.shape = torch.Size(handle.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        try:
+            return self._handle[rows]
+        except SafetensorError as exc:
+            raise Qat4Error(f"{self._where} cannot be read ({exc})") from None
