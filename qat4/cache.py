@@ -9,8 +9,9 @@ dtype (one KV head, D = that layer's head dim):
   holding the absolute position stored in each slot (-1 = empty).
 
 Masks go by absolute position (``qat4.ops.attention``), so stale slots beyond the current length
-of a full layer are never seen and ``reset`` only has to empty the rings. A decode step writes and
-reads through device tensors only (``pos`` [1] int64), so it can be captured in a CUDA graph.
+of a full layer are never seen and ``reset`` only has to empty the rings. A decode step writes
+(``qat4.ops.norms.qk_norm_rope_store``: slot pos, or pos % W on a ring, recorded in ``slot_pos``)
+and reads through device tensors only (``pos`` [1] int64), so it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -111,18 +112,6 @@ class KVCache:
         return seen
 
     # ---- decode ------------------------------------------------------------------------------
-
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """Write one token's k, v [1, D] of KV-owning ``layer`` at position ``pos`` ([1] int64).
-
-        A ring overwrites slot pos % W, whose previous position pos - W has just left the window.
-        """
-        kv = self.layers[layer]
-        slot = pos % self.window if kv.ring else pos
-        kv.k.index_copy_(0, slot, k)
-        kv.v.index_copy_(0, slot, v)
-        if kv.ring:
-            kv.slot_pos.index_copy_(0, slot, pos)
 
     def view(self, layer: int) -> KV:
         """(K, V, slot_pos) of ``layer``'s KV source, for decode attention."""

@@ -21,12 +21,16 @@ from qat4.checkpoint.packed_model import PackedModel
 from qat4.checkpoint.packing import PackedTensor
 from qat4.errors import Qat4Error
 from qat4.ops.attention import decode_attention, prefill_attention
-from qat4.ops.norms import gelu_tanh_mul, qk_norm_rope, rms_norm, rope_cos_sin_cache, rope_inv_freq
+from qat4.ops.norms import (
+    gelu_tanh_mul, qk_norm_rope, qk_norm_rope_store, residual_rms_norm, rms_norm, rope_cos_sin_cache, rope_inv_freq,
+)
 from qat4.ops.w4_embedding import w4_embedding
 from qat4.ops.w4_linear import w4_argmax, w4_linear, w4_logits
 
 Attend = Callable[["Layer", torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
-"""(layer, q [T, H, d], k [T, 1, d] | None, v [T, 1, d] | None) -> attention output [T, H, d]."""
+"""(layer, q [T, H, d], k [T, 1, d] | None, v [T, 1, d] | None) -> attention output [T, H, d].
+q, k, v come straight from the projection: the callback applies head norms and RoPE
+(:meth:`Gemma4.norm_rope`), stores k and v in the cache and attends."""
 
 
 def linear(x: torch.Tensor, w: PackedTensor) -> torch.Tensor:
@@ -176,32 +180,37 @@ class Gemma4:
         context = rms_norm(context.view(T, L, P), self.ple_norm, self.eps)
         return h, (context + token_part.view(T, L, P)) * 2**-0.5
 
-    def _block(self, layer: Layer, h: torch.Tensor, ple: torch.Tensor, positions: torch.Tensor,
-               attend: Attend) -> torch.Tensor:
-        """One decoder layer on h [T, D], spec §3.4."""
+    def norm_rope(self, layer: Layer, q, k, v, positions):
+        """Head norms + RoPE of a layer's q [T, H, d] (and k, v [T, 1, d] when it owns its KV)."""
+        return qk_norm_rope(q, k, v, positions, self.rope[layer.kind], layer.q_norm, layer.k_norm, self.eps)
+
+    def _block(self, layer: Layer, h: torch.Tensor, x: torch.Tensor, ple: torch.Tensor, positions: torch.Tensor,
+               attend: Attend, next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer, spec §3.4: h [T, D] and its input norm x -> (h out, RMSNorm_next_norm(h out))."""
         T, H, d, eps = h.shape[0], self.heads, layer.head_dim, self.eps
-        qkv = linear(rms_norm(h, layer.input_norm, eps), layer.qkv)
+        qkv = linear(x, layer.qkv)
         q = qkv[:, : H * d].view(T, H, d)
         k = qkv[:, H * d : (H + 1) * d].view(T, 1, d) if layer.owns_kv else None
         v = qkv[:, (H + 1) * d :].view(T, 1, d) if layer.owns_kv else None
-        q, k, v = qk_norm_rope(q, k, v, positions, self.rope[layer.kind], layer.q_norm, layer.k_norm, eps)
         o = attend(layer, q, k, v)
-        h = h + rms_norm(linear(o.reshape(T, H * d), layer.o_proj), layer.post_attention_norm, eps)
+        h, x = residual_rms_norm(h, linear(o.reshape(T, H * d), layer.o_proj), layer.post_attention_norm,
+                                 next_weight=layer.pre_feedforward_norm, eps=eps)
 
-        gate_up = linear(rms_norm(h, layer.pre_feedforward_norm, eps), layer.gate_up)
+        gate_up = linear(x, layer.gate_up)
         width = gate_up.shape[1] // 2
         mlp = linear(gelu_tanh_mul(gate_up[:, :width], gate_up[:, width:]), layer.down)
-        h = h + rms_norm(mlp, layer.post_feedforward_norm, eps)
+        h, _ = residual_rms_norm(h, mlp, layer.post_feedforward_norm, eps=eps)
 
         gated = gelu_tanh_mul(linear(h, layer.ple_gate), ple[:, layer.index])
-        h = h + rms_norm(linear(gated, layer.ple_proj), layer.post_ple_norm, eps)
-        return h * layer.scalar
+        return residual_rms_norm(h, linear(gated, layer.ple_proj), layer.post_ple_norm, layer.scalar, next_norm, eps)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         h, ple = self.embed(ids)
-        for layer in self.layers:
-            h = self._block(layer, h, ple, positions, attend)
-        return rms_norm(h, self.norm, self.eps)
+        x = rms_norm(h, self.layers[0].input_norm, self.eps)
+        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, next_norms):
+            h, x = self._block(layer, h, x, ple, positions, attend, next_norm)
+        return x
 
     def prefill(self, ids: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
         """ids [T] at positions start .. start+T-1 -> final-normed hidden [T, D]; fills the cache.
@@ -213,6 +222,7 @@ class Gemma4:
         seen: dict[int, KV] = {}
 
         def attend(layer: Layer, q, k, v):
+            q, k, v = self.norm_rope(layer, q, k, v, positions)
             if layer.owns_kv:
                 seen[layer.index] = cache.prefill(layer.index, k[:, 0], v[:, 0], start)
             keys, values, key_pos = seen[self.config.kv_source(layer.index)]
@@ -228,7 +238,11 @@ class Gemma4:
 
         def attend(layer: Layer, q, k, v):
             if layer.owns_kv:
-                cache.append(layer.index, k[:, 0], v[:, 0], pos)
+                kv = cache.layers[layer.index]
+                q = qk_norm_rope_store(q, k, v, pos, self.rope[layer.kind], layer.q_norm, layer.k_norm,
+                                       kv.k, kv.v, kv.slot_pos, self.eps)
+            else:
+                q, _, _ = self.norm_rope(layer, q, None, None, pos)
             keys, values, slot_pos = cache.view(layer.index)
             return decode_attention(q[0], keys, values, pos, window=layer.window, slot_pos=slot_pos)[None]
 

@@ -156,6 +156,39 @@ def test_qk_norm_rope_matches_transformers_attention_prologue(dtype):
     assert torch.equal(shared[0], expected[0]) and shared[1] is None and shared[2] is None
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_rms_norm_is_the_layers_residual_then_the_next_norm(dtype):
+    """(h + norm(y)) * scalar, then the next input norm, each rounded like transformers' layer."""
+    h, y = (torch.randn(3, 96) * 4).to(dtype), (torch.randn(3, 96) * 9).to(dtype)
+    w, nw = (torch.rand(96) * 10).to(dtype), (torch.rand(96) * 10).to(dtype)
+    scalar = torch.tensor([0.4375], dtype=dtype)
+    h_out, x = norms.residual_rms_norm_reference(h, y, w, scalar, nw)
+    expected = (h + norms.rms_norm_reference(y, w)) * scalar
+    assert torch.equal(h_out, expected) and torch.equal(x, norms.rms_norm_reference(expected, nw))
+    plain, none = norms.residual_rms_norm_reference(h, y, w)
+    assert torch.equal(plain, h + norms.rms_norm_reference(y, w)) and none is None
+
+
+@pytest.mark.parametrize("slots", [None, 4])
+def test_qk_norm_rope_store_writes_the_slot_of_each_position(slots):
+    """Full layer: slot = position; ring of 4: slot = position % 4, recorded in slot_pos."""
+    T, H, D = 3, 8, 32
+    q, k, v = torch.randn(T, H, D), torch.randn(T, 1, D), torch.randn(T, 1, D)
+    positions = torch.tensor([5, 6, 7])
+    cache = norms.rope_cos_sin_cache(our_inv_freq("sliding_attention", D), 16)
+    qw, kw = torch.rand(D) * 3, torch.rand(D) * 3
+    size = slots or 16
+    k_cache, v_cache = torch.zeros(size, D), torch.zeros(size, D)
+    slot_pos = None if slots is None else torch.full((slots,), -1)
+    q_out = norms.qk_norm_rope_store_reference(q, k, v, positions, cache, qw, kw, k_cache, v_cache, slot_pos)
+    eq, ek, ev = norms.qk_norm_rope_reference(q, k, v, positions, cache, qw, kw)
+    at = [1, 2, 3] if slots else [5, 6, 7]
+    assert torch.equal(q_out, eq) and torch.equal(k_cache[at], ek[:, 0]) and torch.equal(v_cache[at], ev[:, 0])
+    assert int((k_cache.abs().sum(-1) > 0).sum()) == T
+    if slots:
+        assert slot_pos.tolist() == [-1, 5, 6, 7]
+
+
 def test_public_functions_use_reference_on_cpu(monkeypatch):
     monkeypatch.setenv("QAT4_OPS", "auto")
     x, w = torch.randn(2, 16), torch.randn(16)
@@ -229,3 +262,38 @@ def test_kernel_gelu_tanh_mul(dtype):
     gate_up = rand(3, 2 * 1100, dtype=dtype, scale=3)  # two column blocks, the second partial
     gate, up = gate_up[:, :1100], gate_up[:, 1100:]
     assert_kernel_close(norms.gelu_tanh_mul_triton(gate, up), norms.gelu_tanh_mul_reference(gate, up))
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_kernel_residual_rms_norm(dtype):
+    h, y = rand(2, 160, dtype=dtype, scale=4), rand(2, 160, dtype=dtype, scale=9)
+    w, nw, scalar = rand(160, dtype=dtype, scale=5), rand(160, dtype=dtype, scale=5), rand(1, dtype=dtype)
+    for args in ((w, scalar, nw), (w, None, None), (w, scalar, None)):
+        got, want = norms.residual_rms_norm_triton(h, y, *args), norms.residual_rms_norm_reference(h, y, *args)
+        assert_kernel_close(got[0], want[0])
+        assert (got[1] is None) == (want[1] is None)
+        if want[1] is not None:
+            assert_kernel_close(got[1], want[1])
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("slots", [None, 8])
+def test_kernel_qk_norm_rope_store(dtype, slots):
+    T, H, dim = 2, 8, 32
+    table = norms.rope_cos_sin_cache(our_inv_freq("sliding_attention", dim), 64, dtype).to(KERNEL_DEVICE)
+    positions = torch.tensor([13, 14], device=KERNEL_DEVICE)
+    qkv = rand(T, (H + 2) * dim, dtype=dtype, scale=2)
+    q, k, v = qkv[:, : H * dim].view(T, H, dim), qkv[:, H * dim : (H + 1) * dim].view(T, 1, dim), qkv[:, (H + 1) * dim :].view(T, 1, dim)
+    qw, kw = rand(dim, dtype=dtype, scale=4), rand(dim, dtype=dtype, scale=4)
+    size = slots or 64
+    caches = []
+    for fn in (norms.qk_norm_rope_store_triton, norms.qk_norm_rope_store_reference):
+        kc, vc = (torch.zeros(size, dim, dtype=dtype, device=KERNEL_DEVICE) for _ in range(2))
+        sp = None if slots is None else torch.full((slots,), -1, dtype=torch.int64, device=KERNEL_DEVICE)
+        caches.append((fn(q, k, v, positions, table, qw, kw, kc, vc, sp), kc, vc, sp))
+    (q1, k1, v1, sp1), (q2, k2, v2, sp2) = caches
+    for a, b in ((q1, q2), (k1, k2), (v1, v2)):
+        assert_kernel_close(a, b)
+    assert sp1 is None or torch.equal(sp1, sp2)

@@ -10,6 +10,8 @@ Semantics follow transformers 5.17 `models/gemma4/modeling_gemma4.py`:
   ``int(factor * head_dim // 2)`` pairs, so only dims ``[0, n_rot)`` and ``[D/2, D/2 + n_rot)``
   rotate.
 - GELU gate: ``gelu_tanh(gate)`` rounded to the activation dtype, times ``up``.
+- Residual step: ``(h + RMSNorm(y)) * layer_scalar`` fused with the next sublayer's input norm,
+  and head norms + RoPE fused with the decode step's KV-cache write, to save launches.
 
 Each op has a plain-torch ``*_reference`` and a Triton ``*_triton`` with the same signature; the
 public function picks one with :func:`qat4.ops.use_triton`. The Triton kernels keep HF's rounding
@@ -125,6 +127,54 @@ def qk_norm_rope_reference(
     return q, k, v
 
 
+def residual_rms_norm_reference(
+    h: torch.Tensor,
+    y: torch.Tensor,
+    weight: torch.Tensor,
+    scalar: torch.Tensor | None = None,
+    next_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A sublayer's residual step and the next sublayer's input norm, on rows [T, D].
+
+    h_out = (h + RMSNorm_weight(y)) * scalar (scalar [1], or None for none); x_next =
+    RMSNorm_next_weight(h_out), or None when next_weight is None. Rounded to h.dtype after the
+    norm, after the sum and after the product, as transformers' eager layer does.
+    """
+    h_out = h + rms_norm_reference(y, weight, eps)
+    if scalar is not None:
+        h_out = h_out * scalar
+    return h_out, None if next_weight is None else rms_norm_reference(h_out, next_weight, eps)
+
+
+def qk_norm_rope_store_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_pos: torch.Tensor | None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """:func:`qk_norm_rope_reference` whose k and v [T, 1, D] go straight into a layer's cache.
+
+    k_cache, v_cache [S, D]; token t is stored at slot positions[t] % S when slot_pos [S] is
+    given (a sliding ring; slot_pos[slot] records the position), else at slot positions[t].
+    Returns the rotated q [T, H, D].
+    """
+    q, k, v = qk_norm_rope_reference(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps)
+    slots = positions.long() % k_cache.shape[0] if slot_pos is not None else positions.long()
+    k_cache.index_copy_(0, slots, k[:, 0])
+    v_cache.index_copy_(0, slots, v[:, 0])
+    if slot_pos is not None:
+        slot_pos.index_copy_(0, slots, positions.to(slot_pos.dtype))
+    return q
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton kernels
 
@@ -141,6 +191,29 @@ def _rms_norm_kernel(X, W, Y, n_cols, stride_x, stride_y, eps, HAS_W: tl.constex
     if HAS_W:
         y = y * tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _residual_rms_norm_kernel(H, Y, W, S, NW, HO, XO, n_cols, eps,
+                              HAS_S: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr):
+    """One row per program of contiguous H, Y [N, n_cols]: HO = (H + RMSNorm_W(Y)) * S[0] and, with
+    HAS_NEXT, XO = RMSNorm_NW(HO); outputs contiguous [N, n_cols]. Rounds to HO's dtype after the
+    norm, the sum and the product. Grid: (N,). BLOCK = next power of two >= n_cols."""
+    row = tl.program_id(0)
+    dt = HO.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    y = tl.load(Y + row * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    normed = (y * tl.rsqrt(tl.sum(y * y, axis=0) / n_cols + eps) * w).to(dt)
+    h = (tl.load(H + row * n_cols + cols, mask=ok, other=0.0) + normed).to(dt)
+    if HAS_S:
+        h = (h * tl.load(S)).to(dt)
+    tl.store(HO + row * n_cols + cols, h, mask=ok)
+    if HAS_NEXT:
+        hf = h.to(tl.float32)
+        nw = tl.load(NW + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(XO + row * n_cols + cols, (hf * tl.rsqrt(tl.sum(hf * hf, axis=0) / n_cols + eps) * nw).to(dt), mask=ok)
 
 
 @triton.jit
@@ -181,33 +254,39 @@ def _norm_rope_row(
 
 @triton.jit
 def _qkv_norm_rope_kernel(
-    Q, K, V, QO, KO, VO, QW, KW, CS, Pos,
+    Q, K, V, QO, KO, VO, QW, KW, CS, Pos, SP,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cs, n_rot, eps,
+    stride_cs, n_rot, n_slots, eps,
     HQ: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, NORM: tl.constexpr,
-    HALF: tl.constexpr, BLOCK: tl.constexpr,
+    STORE: tl.constexpr, RING: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Per-head norm + RoPE of q, k and the V-norm of v, one launch.
 
     Q [T, HQ, D], K [T, HK, D], V [T, HV, D] (any token/head strides, unit dim stride; HK = HV = 0
-    when absent); outputs QO/KO/VO contiguous of the same shapes; QW, KW [D]; CS [P, 2 * n_rot];
-    Pos [T] int. NORM=False only rotates q (plain RoPE). D = 2 * HALF.
+    when absent); QO contiguous [T, HQ, D]; QW, KW [D]; CS [P, 2 * n_rot]; Pos [T] int.
+    NORM=False only rotates q (plain RoPE). D = 2 * HALF. KO/VO are contiguous [T, HK, D], or,
+    with STORE (HK = HV = 1), a layer's cache [n_slots, D] written at slot Pos[t] (RING: at
+    Pos[t] % n_slots, recording Pos[t] in SP [n_slots]).
     Grid: (T, HQ + HK + HV); program (t, h) handles one head row.
     """
     t = tl.program_id(0)
     h = tl.program_id(1)
-    cs = CS + tl.load(Pos + t) * stride_cs
+    p = tl.load(Pos + t)
+    cs = CS + p * stride_cs
+    slot = p % n_slots if RING else p
     if h < HQ:
         _norm_rope_row(Q + t * stride_qt + h * stride_qh, QO + (t * HQ + h) * (2 * HALF), QW, cs, n_rot, eps,
                        NORM, NORM, True, HALF, BLOCK)
     elif h < HQ + HK:
         hk = h - HQ
-        _norm_rope_row(K + t * stride_kt + hk * stride_kh, KO + (t * HK + hk) * (2 * HALF), KW, cs, n_rot, eps,
-                       True, True, True, HALF, BLOCK)
+        dst = KO + slot * (2 * HALF) if STORE else KO + (t * HK + hk) * (2 * HALF)
+        _norm_rope_row(K + t * stride_kt + hk * stride_kh, dst, KW, cs, n_rot, eps, True, True, True, HALF, BLOCK)
+        if RING:
+            tl.store(SP + slot, p.to(SP.dtype.element_ty))
     else:
         hv = h - HQ - HK
-        _norm_rope_row(V + t * stride_vt + hv * stride_vh, VO + (t * HV + hv) * (2 * HALF), KW, cs, n_rot, eps,
-                       True, False, False, HALF, BLOCK)
+        dst = VO + slot * (2 * HALF) if STORE else VO + (t * HV + hv) * (2 * HALF)
+        _norm_rope_row(V + t * stride_vt + hv * stride_vh, dst, KW, cs, n_rot, eps, True, False, False, HALF, BLOCK)
 
 
 @triton.jit
@@ -273,7 +352,25 @@ def rope_triton(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.T
     return _launch_norm_rope(x, None, None, positions, cos_sin_cache, None, None, 0.0, norm=False)[0]
 
 
-def _launch_norm_rope(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, norm):
+def qk_norm_rope_store_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_pos: torch.Tensor | None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Triton :func:`qk_norm_rope_store_reference`: the same single launch, k and v written into the cache."""
+    return _launch_norm_rope(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, norm=True,
+                             cache=(k_cache, v_cache, slot_pos))[0]
+
+
+def _launch_norm_rope(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, norm, cache=None):
     q = _heads(q)
     k = None if k is None else _heads(k)
     v = None if v is None else _heads(v)
@@ -281,22 +378,50 @@ def _launch_norm_rope(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps
     HK = 0 if k is None else k.shape[1]
     HV = 0 if v is None else v.shape[1]
     qo = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
-    ko = None if k is None else torch.empty((T, HK, D), dtype=k.dtype, device=k.device)
-    vo = None if v is None else torch.empty((T, HV, D), dtype=v.dtype, device=v.device)
+    if cache is None:
+        ko = None if k is None else torch.empty((T, HK, D), dtype=k.dtype, device=k.device)
+        vo = None if v is None else torch.empty((T, HV, D), dtype=v.dtype, device=v.device)
+        slot_pos, n_slots = None, 1
+    else:
+        ko, vo, slot_pos = cache
+        n_slots = ko.shape[0]
     cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     block = triton.next_power_of_2(D // 2)
     _qkv_norm_rope_kernel[(T, HQ + HK + HV)](
         q, q if k is None else k, q if v is None else v,
         qo, qo if ko is None else ko, qo if vo is None else vo,
         q if q_weight is None else q_weight, q if k_weight is None else k_weight, cs, positions,
+        positions if slot_pos is None else slot_pos,
         q.stride(0), q.stride(1),
         0 if k is None else k.stride(0), 0 if k is None else k.stride(1),
         0 if v is None else v.stride(0), 0 if v is None else v.stride(1),
-        cs.stride(0), cs.shape[-1] // 2, eps,
-        HQ=HQ, HK=HK, HV=HV, NORM=norm, HALF=D // 2, BLOCK=block,
+        cs.stride(0), cs.shape[-1] // 2, n_slots, eps,
+        HQ=HQ, HK=HK, HV=HV, NORM=norm, STORE=cache is not None, RING=slot_pos is not None, HALF=D // 2, BLOCK=block,
         num_warps=max(1, min(4, block // 64)),
     )
-    return qo, ko, vo
+    return qo, None if cache else ko, None if cache else vo
+
+
+def residual_rms_norm_triton(
+    h: torch.Tensor,
+    y: torch.Tensor,
+    weight: torch.Tensor,
+    scalar: torch.Tensor | None = None,
+    next_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton :func:`residual_rms_norm_reference`: one launch, one program per row."""
+    h2, y2 = h.reshape(-1, h.shape[-1]).contiguous(), y.reshape(-1, y.shape[-1]).contiguous()
+    h_out = torch.empty_like(h2)
+    x_next = None if next_weight is None else torch.empty_like(h2)
+    block = triton.next_power_of_2(h2.shape[1])
+    _residual_rms_norm_kernel[(h2.shape[0],)](
+        h2, y2, weight, weight if scalar is None else scalar, weight if next_weight is None else next_weight,
+        h_out, h_out if x_next is None else x_next, h2.shape[1], eps,
+        HAS_S=scalar is not None, HAS_NEXT=next_weight is not None, BLOCK=block,
+        num_warps=max(1, min(8, block // 256)),
+    )
+    return h_out.reshape(h.shape), None if x_next is None else x_next.reshape(h.shape)
 
 
 def gelu_tanh_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -326,6 +451,37 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) 
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(gate) * up``. See :func:`gelu_tanh_mul_reference`."""
     return (gelu_tanh_mul_triton if use_triton(gate) else gelu_tanh_mul_reference)(gate, up)
+
+
+def residual_rms_norm(
+    h: torch.Tensor,
+    y: torch.Tensor,
+    weight: torch.Tensor,
+    scalar: torch.Tensor | None = None,
+    next_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h + RMSNorm(y)) * scalar and the next input norm. See :func:`residual_rms_norm_reference`."""
+    fn = residual_rms_norm_triton if use_triton(h) else residual_rms_norm_reference
+    return fn(h, y, weight, scalar, next_weight, eps)
+
+
+def qk_norm_rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_pos: torch.Tensor | None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Head norms + RoPE with k, v stored into a layer's cache. See :func:`qk_norm_rope_store_reference`."""
+    fn = qk_norm_rope_store_triton if use_triton(q) else qk_norm_rope_store_reference
+    return fn(q, k, v, positions, cos_sin_cache, q_weight, k_weight, k_cache, v_cache, slot_pos, eps)
 
 
 def qk_norm_rope(

@@ -476,7 +476,8 @@ def w4_argmax_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     pidx = torch.empty(m, n_blocks, dtype=torch.int32, device=x.device)
     _launch_matvec(x, packed, scales, pmax, pidx, float(softcap), True, config)
     out = torch.empty(m, dtype=torch.int64, device=x.device)
-    _argmax_reduce_kernel[(m,)](pmax, pidx, out, n_blocks, BLOCK=min(1024, triton.next_power_of_2(n_blocks)))
+    block = min(16384, triton.next_power_of_2(n_blocks))
+    _argmax_reduce_kernel[(m,)](pmax, pidx, out, n_blocks, BLOCK=block, num_warps=16 if block >= 8192 else 4)
     return out
 
 
