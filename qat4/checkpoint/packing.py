@@ -137,20 +137,52 @@ def recover_grid(
     return PackedTensor(packed, scales), report
 
 
+_PROBE = 4  # values per group tested against all eight trial steps before the full check
+
+
+def _fits(w: torch.Tensor, trial: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
+    """Whether step `trial` [..., k, 1] reproduces every value of w [..., k, n] within tol on
+    levels -8..7 -> bool [..., k, 1]."""
+    q = torch.round(w / torch.where(trial == 0, 1.0, trial))
+    return ((q >= -8) & (q <= 7) & ((w - q * trial).abs() <= tol)).all(dim=-1, keepdim=True)
+
+
+def _first_fitting_step(w: torch.Tensor, amax: torch.Tensor, tol: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group of w [R, G, 32]: the step amax / m for the first m in 1..8 that reproduces all
+    32 values, and whether one does (an all-zero group fits at step 0) -> ([R, G, 1], bool [R, G, 1]).
+
+    The first _PROBE values of each group are tested against all eight steps at once; only the
+    first step passing that probe gets the full check, and the rare group it fails (a probe that
+    happened to sit on a coarser grid) tries the later steps in full. A step that fails the probe
+    fails the full check, so the result equals trying m = 1..8 in full, at about a third of the work.
+    """
+    m = torch.arange(1, 9, dtype=torch.float32)
+    trials = amax / m  # [R, G, 8]
+    probe_ok = _fits(w[..., None, :_PROBE], trials[..., None], tol[..., None])[..., 0]  # [R, G, 8]
+    first = torch.where(probe_ok.any(-1), probe_ok.int().argmax(-1), 0)[..., None]  # [R, G, 1]
+    step = torch.gather(trials, -1, first)
+    found = (amax == 0) | (probe_ok.any(-1, keepdim=True) & _fits(w, step, tol))
+    step = torch.where(amax == 0, 0.0, step)
+    retry = (~found).reshape(-1).nonzero()[:, 0]
+    if retry.numel():
+        flat_w, flat_amax, flat_tol = w.reshape(-1, 1, GROUP)[retry], amax.reshape(-1, 1, 1)[retry], tol.reshape(-1, 1, 1)[retry]
+        flat_first = first.reshape(-1)[retry]
+        got_step, got = torch.zeros_like(flat_amax), torch.zeros_like(flat_amax, dtype=torch.bool)
+        for k in range(1, 9):
+            ok = _fits(flat_w, flat_amax / k, flat_tol) & ~got & (k > flat_first + 1).reshape(-1, 1, 1)
+            got_step = torch.where(ok, flat_amax / k, got_step)
+            got |= ok
+        step.reshape(-1)[retry] = got_step.reshape(-1)
+        found.reshape(-1)[retry] = got.reshape(-1)
+    return step, found
+
+
 def _recover_block(block: torch.Tensor, name: str, row0: int, scale_dtype: torch.dtype):
     rows, cols = block.shape
     w = block.to(torch.float32).reshape(rows, cols // GROUP, GROUP)
     amax = w.abs().amax(dim=-1, keepdim=True)
     tol = amax * 2.0**-7
-    step = torch.zeros_like(amax)
-    found = amax == 0  # an all-zero group is level 0 at any step
-    for m in range(1, 9):
-        trial = amax / m
-        q = torch.round(w / torch.where(trial == 0, 1.0, trial))
-        ok = ((q >= -8) & (q <= 7) & ((w - q * trial).abs() <= tol)).all(dim=-1, keepdim=True)
-        take = ok & ~found
-        step = torch.where(take, trial, step)
-        found |= ok
+    step, found = _first_fitting_step(w, amax, tol)
     if not bool(found.all()):
         flat = int((~found).reshape(-1).nonzero()[0])
         row, group = divmod(flat, cols // GROUP)

@@ -213,6 +213,7 @@ class SafetensorsReader:
         path = Path(path)
         self.location = path
         self._handles: dict[Path, object] = {}
+        self._headers: dict[Path, tuple[int, dict]] = {}
         self._file_of: dict[str, Path] = {}
         self._weight_map: dict[str, str] = {}
         if path.is_file():
@@ -277,9 +278,17 @@ class SafetensorsReader:
         return list(self._handles[self._file_of[key]].get_slice(key).get_shape())
 
     def rows(self, key: str) -> "RowSlices":
-        """Tensor `key` read on demand a block of rows at a time (whole-tensor reads copy it)."""
+        """Tensor `key` read on demand a block of rows at a time, by plain file reads: neither a
+        whole-tensor copy nor memory-mapped pages that stay resident."""
         file = self._file_of[key]
-        return RowSlices(self._handles[file].get_slice(key), f"tensor {key} in {file}")
+        if file not in self._headers:
+            with open(file, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                self._headers[file] = (8 + size, json.loads(f.read(size)))
+        base, header = self._headers[file]
+        info = header[key]
+        dtype = next(t for t, code in DTYPE_CODES.items() if code == info["dtype"])
+        return RowSlices(file, base + info["data_offsets"][0], dtype, info["shape"], f"tensor {key} in {file}")
 
     def get(self, key: str) -> torch.Tensor:
         """The tensor in its stored dtype, backed by the memory map until touched."""
@@ -291,18 +300,24 @@ class SafetensorsReader:
 
 
 class RowSlices:
-    """A stored tensor as `.shape`, `.dim()` and `[a:b]` row reads: only the rows asked for are
-    read from the file, so a multi-gigabyte table passes through memory a block at a time."""
+    """A stored tensor as `.shape`, `.dim()` and `[a:b]` row reads from its file: only the rows
+    asked for are read, so a multi-gigabyte table passes through memory a block at a time."""
 
-    def __init__(self, handle, where: str):
-        self._handle, self._where = handle, where
-        self.shape = torch.Size(handle.get_shape())
+    def __init__(self, file: Path, offset: int, dtype: torch.dtype, shape: list[int], where: str):
+        self._file, self._offset, self.dtype, self._where = file, offset, dtype, where
+        self.shape = torch.Size(shape)
 
     def dim(self) -> int:
         return len(self.shape)
 
     def __getitem__(self, rows: slice) -> torch.Tensor:
-        try:
-            return self._handle[rows]
-        except SafetensorError as exc:
-            raise Qat4Error(f"{self._where} cannot be read ({exc})") from None
+        start, stop, _ = rows.indices(self.shape[0])
+        row_bytes = prod(self.shape[1:]) * self.dtype.itemsize
+        want = max(0, stop - start) * row_bytes
+        with open(self._file, "rb") as f:
+            data = os.pread(f.fileno(), want, self._offset + start * row_bytes)
+        if len(data) != want:
+            raise Qat4Error(f"{self._where} is cut short: the file ends inside rows {start}..{stop - 1}")
+        if not want:
+            return torch.empty(0, *self.shape[1:], dtype=self.dtype)
+        return torch.frombuffer(bytearray(data), dtype=self.dtype).reshape(-1, *self.shape[1:])
