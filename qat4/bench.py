@@ -49,6 +49,7 @@ class BenchReport:
     prompt_tokens: int
     prompt_tok_s: float
     ttft_ms: float
+    prefill_chunk: int = 0
     depths: list[DepthResult] = field(default_factory=list)
     peak_mib: float = 0.0
     memory_cap_mib: float | None = None
@@ -164,7 +165,7 @@ def run(engine: Engine, model_name: str, depths: list[int], new: int, prompt: in
         model=model_name, device=_device_name(device), dtype=str(engine.dtype).replace("torch.", ""),
         read_bandwidth_gb_s=bandwidth / 1e9, model_mib=engine.nbytes["model"] / MIB,
         kv_cache_mib=engine.nbytes["kv_cache"] / MIB, max_ctx=engine.max_ctx, prompt_tokens=prompt,
-        prompt_tok_s=prompt_tok_s, ttft_ms=ttft, memory_cap_mib=memory_cap_mib,
+        prompt_tok_s=prompt_tok_s, ttft_ms=ttft, prefill_chunk=engine.prefill_chunk, memory_cap_mib=memory_cap_mib,
     )
     for depth in depths:
         depth = min(depth, engine.max_ctx - new - 1)
@@ -186,7 +187,8 @@ def format_table(report: BenchReport) -> str:
         f"model {report.model} on {report.device} ({report.dtype}), read bandwidth {report.read_bandwidth_gb_s:,.0f} GB/s",
         f"model on GPU {report.model_mib:,.0f} MiB, KV cache {report.kv_cache_mib:,.0f} MiB for {report.max_ctx:,} tokens, "
         f"peak {report.peak_mib:,.0f} MiB" + (f" (cap {report.memory_cap_mib:g} MiB)" if report.memory_cap_mib else ""),
-        f"prompt {report.prompt_tokens:,} tokens: {report.prompt_tok_s:,.0f} tok/s, time to first token {report.ttft_ms:,.1f} ms",
+        f"prompt {report.prompt_tokens:,} tokens in chunks of {report.prefill_chunk:,}: {report.prompt_tok_s:,.0f} tok/s, "
+        f"time to first token {report.ttft_ms:,.1f} ms",
         "",
         f"{'depth':>8} {'decode tok/s':>13} {'ms/token':>9} {'MB/token':>9} {'roofline tok/s':>15} {'of roofline':>12}",
     ]

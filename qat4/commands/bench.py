@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt", type=int, default=4096, help="prompt length for prompt tok/s (default: %(default)s)")
     p.add_argument("--memory-cap-mib", type=float, help="cap this process's GPU memory, e.g. 3732 for a 4 GB card")
     p.add_argument("--max-ctx", type=int, help="KV cache size in tokens (default: the deepest depth plus --new, at most the model's)")
-    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt chunk size (default: %(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt chunk size (default: the largest of 4096..256 that fits in memory)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default: %(default)s)")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")

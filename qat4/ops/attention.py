@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from qat4.ops import use_triton
+from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
 
 _NO_WINDOW = 1 << 30  # window value that masks nothing
 _MAX_SPLITS = 256
@@ -123,7 +124,7 @@ def _attn_fwd_kernel(
     stride_qt, stride_qh, stride_kn, stride_vn, stride_ot, stride_oh,
     H: tl.constexpr, D: tl.constexpr,
     Q_POS_TENSOR: tl.constexpr, K_POS_TENSOR: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Online-softmax attention of BLOCK_R query rows over one split of the keys.
 
@@ -138,6 +139,7 @@ def _attn_fwd_kernel(
     Split s covers keys [s * c, (s + 1) * c) with c = ceil(n_keys / n_splits) rounded up to BLOCK_N.
     Grid: (cdiv(n_rows, BLOCK_R), n_splits).
     """
+    wait_for_previous_kernel(USE_PDL)
     pid_r = tl.program_id(0)
     pid_s = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -195,7 +197,7 @@ def _attn_fwd_kernel(
 @triton.jit
 def _attn_merge_kernel(
     PartAcc, PartM, PartL, Out, n_rows, n_splits, stride_ot, stride_oh,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Combine the split partials of one query row over a BLOCK_D slice of the head dim.
 
@@ -204,6 +206,7 @@ def _attn_merge_kernel(
     Empty splits' accumulators are not read. BLOCK_S >= n_splits.
     Grid: (n_rows, D // BLOCK_D).
     """
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     s = tl.arange(0, BLOCK_S)
@@ -305,13 +308,14 @@ def _attention_triton(q3, k, v, q_pos, k_pos, window, *, consecutive, num_splits
         q3.stride(0), q3.stride(1), k.stride(0), v.stride(0), out.stride(0), out.stride(1),
         H=H, D=D, Q_POS_TENSOR=not consecutive, K_POS_TENSOR=k_pos is not None, SPLIT=num_splits > 1,
         BLOCK_R=tiles.block_r, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **pdl_launch(q3, T),
     )
     if num_splits > 1:
         block_s = triton.next_power_of_2(num_splits)
         block_d = min(D, max(16, 4096 // block_s))
         _attn_merge_kernel[(n_rows, D // block_d)](
             part_acc, part_m, part_l, out, n_rows, num_splits, out.stride(0), out.stride(1),
-            H=H, D=D, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
+            H=H, D=D, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4, **pdl_launch(q3, T),
         )
     return out
 

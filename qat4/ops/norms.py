@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from qat4.ops import use_triton
+from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
 
 # ----------------------------------------------------------------------------------------------
 # RoPE tables
@@ -180,9 +181,11 @@ def qk_norm_rope_store_reference(
 
 
 @triton.jit
-def _rms_norm_kernel(X, W, Y, n_cols, stride_x, stride_y, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(X, W, Y, n_cols, stride_x, stride_y, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     """One row per program. X [N, n_cols] (row stride stride_x, unit column stride), W [n_cols],
     Y [N, n_cols]. Grid: (N,). BLOCK = next power of two >= n_cols."""
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -195,10 +198,11 @@ def _rms_norm_kernel(X, W, Y, n_cols, stride_x, stride_y, eps, HAS_W: tl.constex
 
 @triton.jit
 def _residual_rms_norm_kernel(H, Y, W, S, NW, HO, XO, n_cols, eps,
-                              HAS_S: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr):
+                              HAS_S: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """One row per program of contiguous H, Y [N, n_cols]: HO = (H + RMSNorm_W(Y)) * S[0] and, with
     HAS_NEXT, XO = RMSNorm_NW(HO); outputs contiguous [N, n_cols]. Rounds to HO's dtype after the
     norm, the sum and the product. Grid: (N,). BLOCK = next power of two >= n_cols."""
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
     dt = HO.dtype.element_ty
     cols = tl.arange(0, BLOCK)
@@ -258,7 +262,7 @@ def _qkv_norm_rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cs, n_rot, n_slots, eps,
     HQ: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, NORM: tl.constexpr,
-    STORE: tl.constexpr, RING: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+    STORE: tl.constexpr, RING: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Per-head norm + RoPE of q, k and the V-norm of v, one launch.
 
@@ -269,6 +273,7 @@ def _qkv_norm_rope_kernel(
     Pos[t] % n_slots, recording Pos[t] in SP [n_slots]).
     Grid: (T, HQ + HK + HV); program (t, h) handles one head row.
     """
+    wait_for_previous_kernel(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.load(Pos + t)
@@ -290,13 +295,14 @@ def _qkv_norm_rope_kernel(
 
 
 @triton.jit
-def _gelu_tanh_mul_kernel(G, U, Y, n_cols, stride_g, stride_u, BLOCK: tl.constexpr):
+def _gelu_tanh_mul_kernel(G, U, Y, n_cols, stride_g, stride_u, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """Y = gelu_tanh(G) * U, gelu rounded to Y's dtype first (as torch does in 16-bit).
 
     G, U [N, n_cols] (row strides given, unit column stride), Y [N, n_cols] contiguous.
     Grid: (N, cdiv(n_cols, BLOCK)). gelu_tanh(x) = x * sigmoid(2 * sqrt(2/pi) * (x + 0.044715 x^3)),
     the same function as 0.5 x (1 + tanh(...)) without its cancellation for negative x.
     """
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -324,7 +330,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None = None, eps: fl
     block = triton.next_power_of_2(x2.shape[1])
     _rms_norm_kernel[(x2.shape[0],)](
         x2, x2 if weight is None else weight, y, x2.shape[1], x2.stride(0), y.stride(0), eps,
-        HAS_W=weight is not None, BLOCK=block, num_warps=max(1, min(8, block // 256)),
+        HAS_W=weight is not None, BLOCK=block, num_warps=max(1, min(8, block // 256)), **pdl_launch(x2, x2.shape[0]),
     )
     return y.reshape(x.shape)
 
@@ -397,7 +403,7 @@ def _launch_norm_rope(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps
         0 if v is None else v.stride(0), 0 if v is None else v.stride(1),
         cs.stride(0), cs.shape[-1] // 2, n_slots, eps,
         HQ=HQ, HK=HK, HV=HV, NORM=norm, STORE=cache is not None, RING=slot_pos is not None, HALF=D // 2, BLOCK=block,
-        num_warps=max(1, min(4, block // 64)),
+        num_warps=max(1, min(4, block // 64)), **pdl_launch(q, T),
     )
     return qo, None if cache else ko, None if cache else vo
 
@@ -419,7 +425,7 @@ def residual_rms_norm_triton(
         h2, y2, weight, weight if scalar is None else scalar, weight if next_weight is None else next_weight,
         h_out, h_out if x_next is None else x_next, h2.shape[1], eps,
         HAS_S=scalar is not None, HAS_NEXT=next_weight is not None, BLOCK=block,
-        num_warps=max(1, min(8, block // 256)),
+        num_warps=max(1, min(8, block // 256)), **pdl_launch(h2, h2.shape[0]),
     )
     return h_out.reshape(h.shape), None if x_next is None else x_next.reshape(h.shape)
 
@@ -430,7 +436,8 @@ def gelu_tanh_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
     block = min(1024, triton.next_power_of_2(g2.shape[1]))
     grid = (g2.shape[0], triton.cdiv(g2.shape[1], block))
-    _gelu_tanh_mul_kernel[grid](g2, u2, y, g2.shape[1], g2.stride(0), u2.stride(0), BLOCK=block, num_warps=4)
+    _gelu_tanh_mul_kernel[grid](g2, u2, y, g2.shape[1], g2.stride(0), u2.stride(0), BLOCK=block, num_warps=4,
+                                **pdl_launch(g2, g2.shape[0]))
     return y.reshape(gate.shape)
 
 

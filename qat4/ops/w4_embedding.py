@@ -13,6 +13,7 @@ import triton.language as tl
 
 from qat4.checkpoint.packing import dequantize
 from qat4.ops import use_triton
+from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
 from qat4.ops.w4_linear import unpack_levels
 
 
@@ -25,11 +26,12 @@ def w4_embedding_reference(ids: torch.Tensor, packed: torch.Tensor, scales: torc
 
 
 @triton.jit
-def _embedding_kernel(ids_ptr, w_ptr, s_ptr, out_ptr, G, scale, BLOCK_G: tl.constexpr):
+def _embedding_kernel(ids_ptr, w_ptr, s_ptr, out_ptr, G, scale, BLOCK_G: tl.constexpr, USE_PDL: tl.constexpr):
     """out [T, 32G] = rows ids [T] of the table (words [V, 4G] int32, scales [V, G]) times scale.
 
     Grid: (T, cdiv(G, BLOCK_G)); program (t, b) writes groups b*BLOCK_G .. of token t.
     """
+    wait_for_previous_kernel(USE_PDL)
     t = tl.program_id(0)
     g0 = tl.program_id(1) * BLOCK_G
     row = tl.load(ids_ptr + t).to(tl.int64)
@@ -52,7 +54,8 @@ def w4_embedding_triton(ids: torch.Tensor, packed: torch.Tensor, scales: torch.T
     block_g = min(64, triton.next_power_of_2(g))
     if flat.numel():
         _embedding_kernel[(flat.shape[0], triton.cdiv(g, block_g))](
-            flat, packed.contiguous(), scales.contiguous(), out, g, float(scale), BLOCK_G=block_g, num_warps=4)
+            flat, packed.contiguous(), scales.contiguous(), out, g, float(scale), BLOCK_G=block_g, num_warps=4,
+            **pdl_launch(out, flat.shape[0]))
     return out.reshape(*ids.shape, g * 32)
 
 

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from qat4.checkpoint.packing import dequantize
 from qat4.ops import use_triton
+from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
 
 MAX_MATVEC_ROWS = 16  # w4_linear uses the GEMV up to this many rows of x
 _REFERENCE_CHUNK = 1 << 22  # dequantised weights per chunk of the references (16 MiB in fp32)
@@ -204,33 +205,41 @@ def _matvec_epilogue(total, ms, rows, n0, M, N, out_ptr, idx_ptr, stride_om, n_b
 
 
 @triton.jit
-def _matvec_loads(x_ptr, w_ptr, s_ptr, w_off, x_off, s_off, w_ok, x_ok, s_ok, g0, g_end, BLOCK_G: tl.constexpr,
-                  EVEN: tl.constexpr):
-    """One GEMV step's raw loads at group g0: words [RR, 4T] int32, the four 8-column quarters
-    of each group's x [BM, 8T], scales [RR, T]. Masked (past g_end, rows >= N, x rows >= M)
-    unless EVEN; then a step past g_end (the prefetch after the last step) re-reads the last one.
-    The lane dim T = TR * BLOCK_G is the only contiguous one, so every Triton version lays words
-    and x out alike: a thread owns 4 words (16 bytes) and their 32 x values."""
+def _weight_loads(w_ptr, s_ptr, w_off, s_off, w_ok, s_ok, g0, g_end, BLOCK_G: tl.constexpr, EVEN: tl.constexpr):
+    """One GEMV step's weights at group g0: words [RR, 4T] int32 and scales [RR, T]. Masked (past
+    g_end, rows >= N) unless EVEN; then a step past g_end (the prefetch after the last step)
+    re-reads the last one. The lane dim T = TR * BLOCK_G is the only contiguous one, so every
+    Triton version lays words and x out alike: a thread owns 4 words (16 bytes) per row."""
     if EVEN:
         g0 = tl.minimum(g0, g_end - BLOCK_G)
         words = tl.load(w_ptr + w_off + 4 * g0)
+        s = tl.load(s_ptr + s_off + g0)
+    else:
+        kw = tl.arange(0, w_off.shape[1]) % (4 * BLOCK_G) // 4
+        ks = tl.arange(0, s_off.shape[1]) % BLOCK_G
+        words = tl.load(w_ptr + w_off + 4 * g0, mask=w_ok & (g0 + kw < g_end)[None, :], other=0)
+        s = tl.load(s_ptr + s_off + g0, mask=s_ok & (g0 + ks < g_end)[None, :], other=0.0)
+    return words, s
+
+
+@triton.jit
+def _x_loads(x_ptr, x_off, x_ok, g0, g_end, BLOCK_G: tl.constexpr, EVEN: tl.constexpr):
+    """The four 8-column quarters [BM, 8T] of x under each thread's group at g0, masked like
+    :func:`_weight_loads` (and for x rows >= M)."""
+    if EVEN:
+        g0 = tl.minimum(g0, g_end - BLOCK_G)
         xa = tl.load(x_ptr + x_off + 32 * g0)
         xb = tl.load(x_ptr + x_off + 32 * g0 + 8)
         xc = tl.load(x_ptr + x_off + 32 * g0 + 16)
         xd = tl.load(x_ptr + x_off + 32 * g0 + 24)
-        s = tl.load(s_ptr + s_off + g0)
     else:
-        kw = tl.arange(0, w_off.shape[1]) % (4 * BLOCK_G) // 4
         kx = tl.arange(0, x_off.shape[1]) % (8 * BLOCK_G) // 8
-        ks = tl.arange(0, s_off.shape[1]) % BLOCK_G
-        words = tl.load(w_ptr + w_off + 4 * g0, mask=w_ok & (g0 + kw < g_end)[None, :], other=0)
         x_mask = x_ok & (g0 + kx < g_end)[None, :]
         xa = tl.load(x_ptr + x_off + 32 * g0, mask=x_mask, other=0.0)
         xb = tl.load(x_ptr + x_off + 32 * g0 + 8, mask=x_mask, other=0.0)
         xc = tl.load(x_ptr + x_off + 32 * g0 + 16, mask=x_mask, other=0.0)
         xd = tl.load(x_ptr + x_off + 32 * g0 + 24, mask=x_mask, other=0.0)
-        s = tl.load(s_ptr + s_off + g0, mask=s_ok & (g0 + ks < g_end)[None, :], other=0.0)
-    return words, xa, xb, xc, xd, s
+    return xa, xb, xc, xd
 
 
 @triton.heuristics({"EVEN": lambda a: a["N"] % (a["RR"] * a["TR"]) == 0 and a["M"] % a["BLOCK_M"] == 0
@@ -240,7 +249,7 @@ def _matvec_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, idx_ptr, part_ptr, lock_ptr,
     M, N, G, stride_xm, stride_om, softcap,
     BLOCK_M: tl.constexpr, RR: tl.constexpr, TR: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr,
-    SOFTCAP: tl.constexpr, ARGMAX: tl.constexpr, EVEN: tl.constexpr,
+    SOFTCAP: tl.constexpr, ARGMAX: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out [M, N] = x [M, K] @ W.T for small M; K = 32 * G.
 
@@ -254,7 +263,8 @@ def _matvec_kernel(
     next step's loads are issued before this step's arithmetic. EVEN (no row, x-row or group
     tail) drops the masks. With SPLIT_K > 1 the partial [BLOCK_M, RR, TR] goes to part[slot, k]
     (slot = m * cdiv(N, RR * TR) + n); a ticket from lock[slot] elects the last program, which
-    adds the partials in split order, runs _matvec_epilogue and resets the ticket.
+    adds the partials in split order, runs _matvec_epilogue and resets the ticket. With USE_PDL
+    the first step's weights are loaded before waiting for the kernel that wrote x.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -280,12 +290,13 @@ def _matvec_kernel(
     p = tl.where(col < 5, col, col - 5)
     x_place = ((127 + 100 - 4 * p) << 23).to(tl.float32, bitcast=True)[None, :]  # 2^(100 - 4p)
 
-    words, xa, xb, xc, xd, s = _matvec_loads(x_ptr, w_ptr, s_ptr, w_off, x_off, s_off, w_rows < N, (ms < M)[:, None],
-                                             s_rows < N, g_begin, g_end, BLOCK_G, EVEN)
+    words, s = _weight_loads(w_ptr, s_ptr, w_off, s_off, w_rows < N, s_rows < N, g_begin, g_end, BLOCK_G, EVEN)
+    wait_for_previous_kernel(USE_PDL)
+    xa, xb, xc, xd = _x_loads(x_ptr, x_off, (ms < M)[:, None], g_begin, g_end, BLOCK_G, EVEN)
     acc = tl.zeros([BLOCK_M, RR, T], dtype=tl.float32)
     for g0 in range(g_begin, g_end, BLOCK_G):
-        nxt = _matvec_loads(x_ptr, w_ptr, s_ptr, w_off, x_off, s_off, w_rows < N, (ms < M)[:, None], s_rows < N,
-                            g0 + BLOCK_G, g_end, BLOCK_G, EVEN)
+        nxt_w, nxt_s = _weight_loads(w_ptr, s_ptr, w_off, s_off, w_rows < N, s_rows < N, g0 + BLOCK_G, g_end, BLOCK_G, EVEN)
+        nxt_x = _x_loads(x_ptr, x_off, (ms < M)[:, None], g0 + BLOCK_G, g_end, BLOCK_G, EVEN)
         word0, word1, word2, word3 = _split_last(words, 4)
         xa, xb, xc, xd = xa.to(tl.float32), xb.to(tl.float32), xc.to(tl.float32), xd.to(tl.float32)
         bias = tl.sum(tl.reshape(xa + xb + xc + xd, [BLOCK_M, T, 8]), axis=2) * -1.4210854715202004e-14  # -8 * 2^-49 * sum x
@@ -295,7 +306,8 @@ def _matvec_kernel(
         part = _word_dot(word2, xc * x_place, part)
         part = _word_dot(word3, xd * x_place, part)
         acc += part * s.to(tl.float32)[None, :, :]
-        words, xa, xb, xc, xd, s = nxt
+        words, s = nxt_w, nxt_s
+        xa, xb, xc, xd = nxt_x
     total = tl.sum(tl.reshape(acc, [BLOCK_M, RR, TR, BLOCK_G]), axis=3) * 562949953421312.0  # * 2^49
     rows = n0 + rr[:, None] * TR + tl.arange(0, TR)[None, :]
 
@@ -319,7 +331,10 @@ def _matvec_kernel(
 
 
 # (RR, TR, BLOCK_G) per BLOCK_M; num_warps = TR * BLOCK_G / 32. A thread holds RR * BLOCK_M sums.
-_MATVEC_TILES = {1: [(8, 2, 16), (4, 4, 8)], 2: [(8, 2, 16), (4, 4, 8)], 4: [(4, 2, 16), (2, 4, 8)]}
+# One-warp tiles suit long rows split many ways; the wider ones cover a small matrix in fewer steps.
+_ONE_ROW_TILES = [(8, 2, 16), (4, 4, 8), (4, 4, 16), (2, 8, 16), (2, 4, 32)]
+_MATVEC_TILES = {1: _ONE_ROW_TILES, 2: _ONE_ROW_TILES, 4: [(4, 2, 16), (2, 4, 8)]}
+_SPLITS = (1, 2, 3, 4, 6, 8)  # 3 and 6 divide the 48 groups of a 1536-wide row
 
 
 def _matvec_configs():
@@ -327,7 +342,7 @@ def _matvec_configs():
     return [
         triton.Config({"RR": rr, "TR": tr, "BLOCK_G": bg, "SPLIT_K": split}, num_warps=tr * bg // 32, num_stages=1)
         for rr, tr, bg in tiles
-        for split in (1, 2, 4, 8)
+        for split in _SPLITS
     ]
 
 
@@ -400,7 +415,7 @@ def _launch_matvec(x, packed, scales, out, idx, softcap, argmax, config):
     block_m = _matvec_block_m(m)
     args = (x, packed.contiguous(), scales.contiguous(), out, idx, partials, locks,
             m, n, kw // 4, x.stride(0), out.stride(0), softcap)
-    flags = dict(BLOCK_M=block_m, SOFTCAP=softcap is not None, ARGMAX=argmax)
+    flags = dict(BLOCK_M=block_m, SOFTCAP=softcap is not None, ARGMAX=argmax, **pdl_launch(x, m))
     if config is None:
         grid = lambda meta: (triton.cdiv(n, meta["RR"] * meta["TR"]), meta["SPLIT_K"], triton.cdiv(m, block_m))
         _matvec_tuned[grid](*args, **flags)
@@ -439,9 +454,10 @@ def _output_config(m: int) -> dict:
 
 
 @triton.jit
-def _argmax_reduce_kernel(pmax_ptr, pidx_ptr, out_ptr, NB, BLOCK: tl.constexpr):
+def _argmax_reduce_kernel(pmax_ptr, pidx_ptr, out_ptr, NB, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """Per row m of pmax/pidx [M, NB] (block maxima, their first columns): out[m] = int64 column
     of the first overall maximum. Grid: (M,)."""
+    wait_for_previous_kernel(USE_PDL)
     m = tl.program_id(0)
     best = tl.full([], float("-inf"), tl.float32)
     best_idx = tl.full([], 0, tl.int32)
@@ -477,7 +493,8 @@ def w4_argmax_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     _launch_matvec(x, packed, scales, pmax, pidx, float(softcap), True, config)
     out = torch.empty(m, dtype=torch.int64, device=x.device)
     block = min(16384, triton.next_power_of_2(n_blocks))
-    _argmax_reduce_kernel[(m,)](pmax, pidx, out, n_blocks, BLOCK=block, num_warps=16 if block >= 8192 else 4)
+    _argmax_reduce_kernel[(m,)](pmax, pidx, out, n_blocks, BLOCK=block, num_warps=16 if block >= 8192 else 4,
+                                **pdl_launch(x, m))
     return out
 
 
