@@ -1,7 +1,7 @@
 """The engine: one sequence at a time over an engine-owned KV cache.
 
 A prompt is read in chunks of ``prefill_chunk`` tokens (by default the largest of 4096 .. 256 whose
-working memory fits beside the model and cache; 256 on the CPU); each new token then runs one decode step
+estimated working memory fits beside the model and cache; 256 on the CPU); each new token then runs one decode step
 (embedding -> layers -> output layer -> greedy argmax or sampling) over static device buffers.
 On CUDA that step is captured once as a CUDA graph per sampling shape and replayed per token; the
 host enqueues step n+1 before it reads token n back, so the GPU never waits for Python.
@@ -26,8 +26,10 @@ from qat4.sampling import SamplingParams, sample
 DEFAULT_STOP_IDS = (1, 106, 50)  # <eos>, <turn|>, <|tool_response>
 GREEDY = "greedy"  # decode-graph key of argmax decoding; sampling graphs are keyed by top_k
 MAX_CTX_DEFAULT = 131_072
-AUTO_PREFILL_CHUNKS = (4096, 2048, 1024, 512, 256)  # tried in order when prefill_chunk is None (CUDA)
 MIB = 1 << 20
+AUTO_PREFILL_CHUNKS = (4096, 2048, 1024, 512, 256)  # prefill_chunk=None picks the largest that fits (CUDA)
+PREFILL_BYTES_PER_TOKEN = 256 << 10  # working memory of one prompt token in a chunk, with headroom
+TUNING_RESERVE = 256 * MIB  # Triton's autotuner allocates a 256 MiB cache-flush buffer while it tunes
 
 
 @dataclass
@@ -165,8 +167,8 @@ class Engine:
 
         dtype: compute dtype (default: :func:`default_dtype`). max_ctx: context in tokens
         (default 131072), at most the model's max_position_embeddings. prefill_chunk: tokens per
-        prefill step; None picks the largest of AUTO_PREFILL_CHUNKS whose working memory at the
-        deepest position fits on the GPU (256 on the CPU). memory_cap_mib: on CUDA, cap this process's GPU memory before anything is
+        prefill step; None picks the largest of AUTO_PREFILL_CHUNKS whose estimated working memory
+        fits beside the model and the KV cache (256 on the CPU). memory_cap_mib: on CUDA, cap this process's GPU memory before anything is
         allocated; raises Qat4Error at load when the model, the KV cache and the prefill
         workspace do not fit. cuda_graph: replay decode as a CUDA graph (CUDA only).
         """
@@ -193,51 +195,36 @@ class Engine:
             raise Qat4Error(f"max_ctx is {max_ctx}; it must be at least 1")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise Qat4Error(f"prefill_chunk is {prefill_chunk}; it must be at least 1")
-        if prefill_chunk is not None:
-            chunks = [prefill_chunk]
-        elif device.type == "cuda":
-            chunks = [c for c in AUTO_PREFILL_CHUNKS if c <= max_ctx] or [max_ctx]
-        else:
-            chunks = [AUTO_PREFILL_CHUNKS[-1]]
+        cap = None
         if memory_cap_mib is not None:
             cap = _cap_memory(device, memory_cap_mib)
             _check_fits(packed, max_ctx, dtype, device, cap)
+        if prefill_chunk is None:
+            prefill_chunk = _auto_prefill_chunk(packed, max_ctx, dtype, device, cap)
         if tokenizer is None and packed.source is not None:
             tokenizer = _find_tokenizer(packed.source)
         try:
             model = Gemma4(packed, device, dtype, max_ctx)
             cache = KVCache(cfg, max_ctx, device, dtype)
-            engine = cls(model, cache, prefill_chunk=chunks[-1], cuda_graph=cuda_graph, tokenizer=tokenizer,
+            engine = cls(model, cache, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, tokenizer=tokenizer,
                          generation_config=packed.generation_config)
             if device.type == "cuda":
-                engine._reserve_workspace(chunks)
+                engine._reserve_workspace()
         except torch.cuda.OutOfMemoryError:
             raise Qat4Error(
-                f"the model, a KV cache of {max_ctx} tokens and the prefill workspace for chunks of {chunks[-1]} "
+                f"the model, a KV cache of {max_ctx} tokens and the prefill workspace for chunks of {prefill_chunk} "
                 f"tokens do not fit in GPU memory{_cap_text(memory_cap_mib)}; lower max_ctx or prefill_chunk"
             ) from None
         return engine
 
     @torch.no_grad()
-    def _reserve_workspace(self, chunks: list[int]) -> None:
-        """Run one prefill chunk at the deepest position, of the first size in ``chunks`` that fits
-        in memory (it becomes ``prefill_chunk``), and capture the greedy decode graph, so the caching
-        allocator holds their peak working memory from load on; then forget the sequence. Raises
-        torch.cuda.OutOfMemoryError when not even the last size fits."""
+    def _reserve_workspace(self) -> None:
+        """Run one prefill chunk at the deepest position and capture the greedy decode graph, so the
+        caching allocator holds their peak working memory from load on; then forget the sequence."""
+        chunk = min(self.prefill_chunk, self.max_ctx)
+        ids = torch.zeros(chunk, dtype=torch.int64, device=self.device)
+        self.model.argmax(self.model.prefill(ids, self.max_ctx - chunk, self.cache)[-1:])
         self.step.prepare(GREEDY)
-        for chunk in chunks:
-            chunk = min(chunk, self.max_ctx)
-            ids = torch.zeros(chunk, dtype=torch.int64, device=self.device)
-            try:
-                self.model.argmax(self.model.prefill(ids, self.max_ctx - chunk, self.cache)[-1:])
-                torch.cuda.synchronize(self.device)
-            except torch.cuda.OutOfMemoryError:
-                if chunk == chunks[-1]:
-                    raise
-                torch.cuda.empty_cache()
-                continue
-            self.prefill_chunk = chunk
-            break
         torch.cuda.synchronize(self.device)
         self.cache.reset()
 
@@ -439,6 +426,20 @@ def _estimate_model_nbytes(packed: PackedModel, max_ctx: int, dtype: torch.dtype
     cfg = packed.config
     total += sum(max_ctx * cfg.layer_head_dim(cfg.layer_types.index(kind)) * item for kind in set(cfg.layer_types))
     return total
+
+
+def _auto_prefill_chunk(packed: PackedModel, max_ctx: int, dtype: torch.dtype, device: torch.device,
+                        cap: int | None) -> int:
+    """The largest of AUTO_PREFILL_CHUNKS (at most max_ctx) whose estimated working memory, plus the
+    autotuner's reserve, fits in what the model and KV cache leave of the cap or of the GPU's free
+    memory; else the smallest. 256 on the CPU."""
+    smallest = min(AUTO_PREFILL_CHUNKS[-1], max_ctx)
+    if device.type != "cuda":
+        return smallest
+    left = cap - torch.cuda.memory_allocated(device) if cap is not None else torch.cuda.mem_get_info(device)[0]
+    left -= _estimate_model_nbytes(packed, max_ctx, dtype) + KVCache.estimate_nbytes(packed.config, max_ctx, dtype)
+    fits = [c for c in AUTO_PREFILL_CHUNKS if c <= max_ctx and c * PREFILL_BYTES_PER_TOKEN + TUNING_RESERVE <= left]
+    return fits[0] if fits else smallest
 
 
 def _check_fits(packed: PackedModel, max_ctx: int, dtype: torch.dtype, device: torch.device, cap: int) -> None:

@@ -181,3 +181,26 @@ def test_cli_generate(checkpoint, engine, capsys):
                  "--temperature", "0"]) == 0
     assert main(["generate", "--model", str(checkpoint), "--prompt", PROMPT, "--max-new", "5000"]) == 1
     assert "5000" in capsys.readouterr().err
+
+
+def test_auto_prefill_chunk_is_the_largest_that_fits(monkeypatch):
+    """4096 with room to spare; smaller chunks as memory tightens; 256 when even that is tight
+    (a 4 GB card holding E2B and a 131,072-token cache); 256 on the CPU."""
+    from qat4 import engine as engine_module
+    from qat4.checkpoint.synth import synthetic_model
+
+    packed = synthetic_model(TINY, seed=0)
+    model_and_cache = 100 * engine_module.MIB
+    monkeypatch.setattr(engine_module, "_estimate_model_nbytes", lambda *a: model_and_cache - 10 * engine_module.MIB)
+    monkeypatch.setattr(engine_module.KVCache, "estimate_nbytes", staticmethod(lambda *a: 10 * engine_module.MIB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    cuda = torch.device("cuda", 0)
+    reserve, per_token = engine_module.TUNING_RESERVE, engine_module.PREFILL_BYTES_PER_TOKEN
+    pick = engine_module._auto_prefill_chunk
+    for free, expected in ((10**11, 4096), (model_and_cache + reserve + 1024 * per_token, 1024),
+                           (model_and_cache + reserve + 300 * per_token, 256), (model_and_cache, 256)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, 2 * free))
+        assert pick(packed, 8192, torch.bfloat16, cuda, None) == expected
+        assert pick(packed, 8192, torch.bfloat16, cuda, free) == expected  # a cap counts the same way
+    assert pick(packed, 1000, torch.bfloat16, cuda, 10**11) == 512  # never past the context
+    assert pick(packed, 8192, torch.float32, torch.device("cpu"), None) == 256

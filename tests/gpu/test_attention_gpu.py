@@ -117,7 +117,7 @@ def _compile_for_sm75(kind, head_dim, split):
     signature.update({name: "*fp32" for name in ("PartAcc", "PartM", "PartL")})
     signature.update({"QPos": "*i64", "KPos": "*i32"})
     constexprs = {"H": H, "D": head_dim, "Q_POS_TENSOR": kind == "prefill", "K_POS_TENSOR": True, "SPLIT": split,
-                  "BLOCK_R": tiles.block_r, "BLOCK_N": tiles.block_n}
+                  "BLOCK_R": tiles.block_r, "BLOCK_N": tiles.block_n, "USE_PDL": False}  # PDL needs sm_90
     signature.update({name: "constexpr" for name in constexprs})
     src = ASTSource(attn._attn_fwd_kernel, signature, constexprs)
     options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
