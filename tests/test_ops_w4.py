@@ -217,6 +217,9 @@ def test_kernel_logits_and_argmax(m):
     assert top.dtype == torch.int64
     assert torch.equal(top, wl.w4_argmax_reference(x, packed, scales, 30.0))
     assert torch.equal(top, torch.argmax(logits, dim=-1))
+    plain = wl.w4_logits_triton(x, packed, scales, None)  # a config without final_logit_softcapping
+    assert rel_err(plain, wl.w4_linear_reference(x.float(), packed, scales)) < 1e-5
+    assert torch.equal(wl.w4_argmax_triton(x, packed, scales, None), torch.argmax(plain, dim=-1))
 
 
 @kernel_test

@@ -48,8 +48,8 @@ def main() -> None:
     packed = load_packed_for_bench("synthetic:e2b", torch.device("cuda"), seed=0)
     engine = Engine.from_packed(packed, "cuda", max_ctx=8192, prefill_chunk=args.chunk)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, engine.config.vocab_size, (args.depth,), generator=g).cuda()
-    fill(engine, ids)
+    ids = torch.randint(3, engine.config.vocab_size, (max(args.depth, args.chunk),), generator=g).cuda()
+    fill(engine, ids[: args.depth])
     step = engine.step
     step.pos.fill_(args.depth)
     step.prepare(GREEDY)

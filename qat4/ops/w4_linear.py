@@ -75,12 +75,12 @@ def w4_linear_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
     return _reference(x, packed, scales, None, x.dtype)
 
 
-def w4_logits_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float = 30.0) -> torch.Tensor:
+def w4_logits_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float | None = 30.0) -> torch.Tensor:
     """x [M, K] -> fp32 logits [M, N] = softcap * tanh((x @ W.T) / softcap)."""
     return _reference(x, packed, scales, softcap, torch.float32)
 
 
-def w4_argmax_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float = 30.0) -> torch.Tensor:
+def w4_argmax_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float | None = 30.0) -> torch.Tensor:
     """x [M, K] -> int64 [M]: torch.argmax of :func:`w4_logits_reference` (ties -> lowest index)."""
     return torch.argmax(w4_logits_reference(x, packed, scales, softcap), dim=-1)
 
@@ -472,15 +472,15 @@ def _argmax_reduce_kernel(pmax_ptr, pidx_ptr, out_ptr, NB, BLOCK: tl.constexpr, 
     tl.store(out_ptr + m, best_idx.to(tl.int64))
 
 
-def w4_logits_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float = 30.0,
+def w4_logits_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float | None = 30.0,
                      *, config: dict | None = None) -> torch.Tensor:
     """Triton :func:`w4_logits_reference`: the GEMV with the softcap in its epilogue (M <= 16)."""
     out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32, device=x.device)
-    _launch_matvec(x, packed, scales, out, out, float(softcap), False, config or _output_config(x.shape[0]))
+    _launch_matvec(x, packed, scales, out, out, None if softcap is None else float(softcap), False, config or _output_config(x.shape[0]))
     return out
 
 
-def w4_argmax_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float = 30.0,
+def w4_argmax_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float | None = 30.0,
                      *, config: dict | None = None) -> torch.Tensor:
     """Triton :func:`w4_argmax_reference` (M <= 16): the softcapped GEMV keeps one (max, first
     column) per block of rows instead of the logits, then :func:`_argmax_reduce_kernel` picks the
@@ -490,7 +490,7 @@ def w4_argmax_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     n_blocks = triton.cdiv(packed.shape[0], config["RR"] * config["TR"])
     pmax = torch.empty(m, n_blocks, dtype=torch.float32, device=x.device)
     pidx = torch.empty(m, n_blocks, dtype=torch.int32, device=x.device)
-    _launch_matvec(x, packed, scales, pmax, pidx, float(softcap), True, config)
+    _launch_matvec(x, packed, scales, pmax, pidx, None if softcap is None else float(softcap), True, config)
     out = torch.empty(m, dtype=torch.int64, device=x.device)
     block = min(16384, triton.next_power_of_2(n_blocks))
     _argmax_reduce_kernel[(m,)](pmax, pidx, out, n_blocks, BLOCK=block, num_warps=16 if block >= 8192 else 4,
@@ -643,13 +643,13 @@ def _in_row_chunks(fn, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def w4_logits(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float = 30.0) -> torch.Tensor:
+def w4_logits(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float | None = 30.0) -> torch.Tensor:
     """Softcapped output layer: x [..., K] -> fp32 logits [..., N]. See :func:`w4_logits_reference`."""
     fn = w4_logits_triton if use_triton(x) else w4_logits_reference
     return _in_row_chunks(fn, x.reshape(-1, x.shape[-1]), packed, scales, softcap).reshape(*x.shape[:-1], packed.shape[0])
 
 
-def w4_argmax(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float = 30.0) -> torch.Tensor:
+def w4_argmax(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float | None = 30.0) -> torch.Tensor:
     """Greedy token: x [..., K] -> int64 [...], the first maximum of the softcapped logits,
     without writing them. See :func:`w4_argmax_reference`."""
     fn = w4_argmax_triton if use_triton(x) else w4_argmax_reference
