@@ -2,8 +2,8 @@
 
 Every op dispatches itself (CPU tensors: torch references; CUDA tensors: Triton kernels), so the
 same code runs a tiny model on the CPU against transformers and E2B on a GPU. Weights stay packed
-int4; at load time q/k/v (KV-owning layers) and gate/up are merged by row concatenation, group
-steps are converted once to the compute dtype, and RoPE cos/sin tables are built per layer type.
+int4; at load time q/k/v (KV-owning layers) and gate/up are merged by row concatenation (group
+steps keep their stored 16-bit dtype), and RoPE cos/sin tables are built per layer type.
 
 Shapes: T tokens, D hidden, H query heads, d head dim of the layer (one KV head), I MLP width,
 L layers, P per-layer-input width, V vocabulary. Spec: docs/gemma4-e2b.md §3-4.
@@ -94,8 +94,11 @@ class Gemma4:
         self.rope = {kind: self._rope_table(kind, max_positions) for kind in set(cfg.layer_types)}
 
     def _matrix(self, t: PackedTensor) -> PackedTensor:
-        """A packed matrix on the device with its group steps in the compute dtype."""
-        return t.to(self.device, scale_dtype=self.dtype)
+        """A packed matrix on the device. Its group steps keep their stored dtype (the kernels read
+        them as fp32, so fp16 steps stay exact under bf16 compute), except that bf16 steps become
+        fp16 where the compute dtype is fp16 (GPUs without bf16)."""
+        convert = t.scales.dtype == torch.bfloat16 and self.dtype == torch.float16
+        return t.to(self.device, scale_dtype=torch.float16 if convert else None)
 
     def _vector(self, t: torch.Tensor) -> torch.Tensor:
         """A norm weight or layer scalar on the device in the compute dtype."""

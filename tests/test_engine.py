@@ -204,3 +204,19 @@ def test_auto_prefill_chunk_is_the_largest_that_fits(monkeypatch):
         assert pick(packed, 8192, torch.bfloat16, cuda, free) == expected  # a cap counts the same way
     assert pick(packed, 1000, torch.bfloat16, cuda, 10**11) == 512  # never past the context
     assert pick(packed, 8192, torch.float32, torch.device("cpu"), None) == 256
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_group_steps_keep_their_stored_dtype(dtype):
+    """fp16 steps stay fp16 under bf16 compute (converting them would move every weight off its
+    trained value); bf16 steps become fp16 only where compute is fp16."""
+    from qat4.checkpoint.synth import synthetic_model
+
+    packed = synthetic_model(TINY, seed=0)
+    for name, t in packed.tensors.items():
+        if name.endswith("q_proj") or name == "embed_tokens":
+            t.scales = t.scales.to(torch.float16 if name == "embed_tokens" else torch.bfloat16)
+    model = Engine.from_packed(packed, "cpu", dtype=dtype, max_ctx=64).model
+    assert model.embed_tokens.scales.dtype == torch.float16
+    assert model.layers[0].qkv.scales.dtype == (torch.float16 if dtype == torch.float16 else torch.bfloat16)
+    assert torch.equal(model.embed_tokens.scales, packed["embed_tokens"].scales)
