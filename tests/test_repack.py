@@ -16,6 +16,8 @@ from checkpoint_fixtures import SMALL, write_small
 from qat4.checkpoint import gguf as gguf_module
 from qat4.checkpoint import repack as repack_module
 from qat4.checkpoint.loader import open_checkpoint
+from qat4.checkpoint import packing
+from qat4.checkpoint.packed_model import expected_tensors
 from qat4.checkpoint.packing import PackedTensor
 from qat4.checkpoint.repack import repack
 from qat4.checkpoint.safetensors_io import SafetensorsWriter
@@ -66,6 +68,40 @@ def test_qat_bf16_straight_to_gguf_and_emb4(bf16, tmp_path):
     for to in ("gguf", "ct-emb4"):
         repack(bf16, tmp_path / OUT_NAME[to], to)
         assert_same_codes(bf16, tmp_path / OUT_NAME[to])
+
+
+def test_large_matrices_stream_in_row_blocks_and_keep_every_code(bf16, tmp_path, monkeypatch):
+    """With the threshold at 0 every matrix of every reader comes as PackedBlocks of a few rows
+    (16-bit recovery, packed safetensors rows, Q4_0 rows) into every writer (packed, dense, Q4_0)."""
+    monkeypatch.setattr(packing, "STREAM_BYTES", 0)
+    monkeypatch.setattr(packing, "_BLOCK_BYTES", 4096)
+    passes = []
+    blocks = packing.PackedBlocks.blocks
+    monkeypatch.setattr(packing.PackedBlocks, "blocks", lambda self: passes.append(self.rows) or blocks(self))
+    src = bf16
+    for step, to in enumerate(["ct-emb4", "gguf", "ct", "gguf"]):
+        out = tmp_path / f"{step}-{OUT_NAME[to]}"
+        repack(src, out, to)
+        assert_same_codes(bf16, out)
+        src = out
+    matrices = sum(spec.packed for spec in expected_tensors(SMALL).values())
+    assert len(passes) >= 4 * matrices  # every matrix of each of the four repacks came in blocks
+
+
+def test_off_grid_group_in_a_streamed_matrix_names_its_row(bf16, tmp_path, monkeypatch):
+    monkeypatch.setattr(packing, "STREAM_BYTES", 0)
+    monkeypatch.setattr(packing, "_BLOCK_BYTES", 4096)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in bf16.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(broken / "model.safetensors")
+    rows = tensors[BF16_UP].shape[0]
+    tensors[BF16_UP][rows - 2, 40] *= 1.37  # in the last block of rows
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(Qat4Error, match=rf"layers\.1\.mlp\.up_proj.* row {rows - 2}, group 1"):
+        repack(broken, tmp_path / "out.gguf", "gguf")
+    assert leftovers(tmp_path) == ["broken"]
 
 
 def test_aux_files_travel(bf16, tmp_path):

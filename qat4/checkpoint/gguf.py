@@ -28,7 +28,7 @@ from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueType, LlamaF
 from qat4.checkpoint.gguf_file import GGUFFile, TensorInfo, Value, encode_header
 from qat4.checkpoint.hf_layout import LM_HEAD
 from qat4.checkpoint.packed_model import Tensor, expected_tensors, is_unused_shared_kv
-from qat4.checkpoint.packing import GROUP, PER_WORD, GridReport, PackedTensor, recover_grid
+from qat4.checkpoint.packing import GROUP, PER_WORD, GridReport, PackedBlocks, PackedTensor, recover_grid, streamed
 from qat4.checkpoint.source import AuxFiles
 from qat4.config import FULL, SLIDING, Gemma4Config
 from qat4.errors import Qat4Error
@@ -122,9 +122,10 @@ def q4_0_to_packed(blocks: np.ndarray, rows: int, cols: int, consumed: Callable[
     return PackedTensor(packed, scales)
 
 
-def require_exact_steps(steps: torch.Tensor, dtype: torch.dtype, name: str, consequence: str) -> None:
+def require_exact_steps(steps: torch.Tensor, dtype: torch.dtype, name: str, consequence: str, row0: int = 0) -> None:
     """Raise Qat4Error naming tensor, row and group of the first step ([rows, groups]) that `dtype`
-    cannot hold exactly; `consequence` ends the message (why it matters, what to do)."""
+    cannot hold exactly; `consequence` ends the message (why it matters, what to do). `row0`: the
+    row of the whole matrix that steps' first row is, for the message."""
     chunk = max(1, _CHUNK_BLOCKS // steps.shape[1])
     for r in range(0, steps.shape[0], chunk):
         step32 = steps[r : r + chunk].to(torch.float32)
@@ -132,18 +133,18 @@ def require_exact_steps(steps: torch.Tensor, dtype: torch.dtype, name: str, cons
         if len(bad):
             row, group = r + int(bad[0, 0]), int(bad[0, 1])
             raise Qat4Error(
-                f"tensor {name} has step {float(steps[row, group])!r} at row {row}, group {group}, "
+                f"tensor {name} has step {float(steps[row, group])!r} at row {row0 + row}, group {group}, "
                 f"which {str(dtype).removeprefix('torch.')} cannot hold exactly; {consequence}"
             )
 
 
-def packed_to_q4_0(tensor: PackedTensor, name: str) -> Iterator[np.ndarray]:
+def packed_to_q4_0(tensor: PackedTensor, name: str, row0: int = 0) -> Iterator[np.ndarray]:
     """The Q4_0 bytes of a PackedTensor, row-major, in slices of whole blocks.
 
     Steps are stored as fp16; a step fp16 cannot hold exactly raises Qat4Error naming the tensor,
     row and group, since Q4_0 would then change the weights.
     """
-    require_exact_steps(tensor.scales, torch.float16, name, "Q4_0 stores fp16 steps")
+    require_exact_steps(tensor.scales, torch.float16, name, "Q4_0 stores fp16 steps", row0)
     n = tensor.rows * tensor.cols // GROUP
     words = tensor.packed.contiguous().numpy().reshape(n, 4).view(np.uint8)  # [n, 16]
     steps = tensor.scales.reshape(n)
@@ -441,6 +442,22 @@ class GGUFSource:
         self.file.release(info)
         return tensor
 
+    def read_blocks(self, name: str) -> Tensor | PackedBlocks:
+        """As :meth:`read`, but a Q4_0 matrix large enough to be ``streamed`` comes as PackedBlocks
+        converting one block of rows at a time (pages released as they are read)."""
+        info = self._infos.get(name)
+        if info is None or name not in self._matrices or info.type != GGMLQuantizationType.Q4_0 or not streamed(info.shape):
+            return self.read(name)
+        rows, cols = info.shape
+        row_bytes = cols // GROUP * Q4_0_BLOCK_BYTES
+
+        def convert(start: int, stop: int) -> PackedTensor:
+            block = q4_0_to_packed(self.file.data(info)[start * row_bytes : stop * row_bytes], stop - start, cols)
+            self.file.release(info, stop * row_bytes)
+            return block
+
+        return PackedBlocks(rows, cols, convert)
+
     def _dense(self, info: TensorInfo) -> torch.Tensor:
         """The stored values, a view of the memory map."""
         return torch.from_numpy(self.file.data(info)).view(_DENSE_TYPES[info.type]).reshape(info.shape)
@@ -492,14 +509,19 @@ def _plan(config: Gemma4Config, names: Iterable[str]) -> dict[str, _Planned]:
     return plan
 
 
-def _tensor_bytes(item: _Planned, tensor: Tensor) -> Iterator[np.ndarray]:
+def _tensor_bytes(item: _Planned, tensor: Tensor | PackedBlocks) -> Iterator[np.ndarray]:
     """The bytes of one planned tensor: Q4_0 blocks for a matrix, F32 for a dense tensor."""
-    if item.packed != isinstance(tensor, PackedTensor):
+    if item.packed != isinstance(tensor, (PackedTensor, PackedBlocks)):
         raise Qat4Error(f"tensor {item.name} should be {'a 4-bit matrix' if item.packed else 'a dense tensor'}")
     shape = tuple(tensor.shape)
     if shape != item.info.shape:
         raise Qat4Error(f"tensor {item.name} has shape {list(shape)}; the config expects {list(item.info.shape)}")
-    if item.packed:
+    if isinstance(tensor, PackedBlocks):
+        row = 0
+        for block in tensor.blocks():
+            yield from packed_to_q4_0(block, item.name, row)
+            row += block.rows
+    elif item.packed:
         yield from packed_to_q4_0(tensor, item.name)
     else:
         yield tensor.detach().to(torch.float32).contiguous().numpy().reshape(-1).view(np.uint8)

@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 import torch
 
 from qat4.checkpoint.packed_model import Tensor, TensorSpec, check_tensor, expected_tensors, is_unused_shared_kv
-from qat4.checkpoint.packing import GROUP, PER_WORD, GridReport, PackedTensor, dequantize, recover_grid
+from qat4.checkpoint.packing import GROUP, PER_WORD, GridReport, PackedBlocks, PackedTensor, dequantize, recover_grid, streamed
 from qat4.checkpoint.safetensors_io import DEFAULT_SHARD_BYTES, Entry, SafetensorsReader, SafetensorsWriter, write_text_atomic
 from qat4.checkpoint.source import AuxFiles
 from qat4.config import Gemma4Config
@@ -207,26 +207,55 @@ class SafetensorsFolderSource:
         return "weight_packed" in self._parts[name]
 
     def read(self, name: str) -> Tensor:
-        found = self._parts.get(name)
-        if found is None:
-            raise Qat4Error(f"{self.location} has no tensor {name}")
-        spec = self._specs.get(name)
+        found, spec = self._found(name)
         if "weight_packed" in found:
-            return self._read_packed(found, spec)
+            packed_key, scale_key, _, _ = self._packed_parts(found, spec)
+            return PackedTensor(self.files.get(packed_key), self.files.get(scale_key))
         key = found["weight"]
-        rows = self.files.rows(key)
-        if spec is not None and tuple(rows.shape) != spec.shape:
-            raise Qat4Error(
-                f"tensor {key} in {self.files.file_of(key)} has shape {list(rows.shape)}; the config expects {list(spec.shape)}"
-            )
+        self._check_dense_shape(key, spec)
         if spec is not None and spec.packed:
-            packed, report = recover_grid(rows, f"{key} in {self.files.file_of(key)}", RECOVERED_SCALE_DTYPE)
+            packed, report = recover_grid(self.files.rows(key), f"{key} in {self.files.file_of(key)}", RECOVERED_SCALE_DTYPE)
             report.name = key
             self._reports[name] = report
             return packed
         return self.files.get(key)
 
-    def _read_packed(self, found: dict[str, str], spec: TensorSpec | None) -> PackedTensor:
+    def read_blocks(self, name: str) -> Tensor | PackedBlocks:
+        """As :meth:`read`, but a 4-bit matrix large enough to be ``streamed`` comes as PackedBlocks
+        that read (and, from 16-bit values, recover) one block of rows at a time."""
+        found, spec = self._found(name)
+        if spec is None or not spec.packed or not streamed(spec.shape):
+            return self.read(name)
+        if "weight_packed" in found:
+            packed_key, scale_key, rows, cols = self._packed_parts(found, spec)
+            words, steps = self.files.rows(packed_key), self.files.rows(scale_key)
+            return PackedBlocks(rows, cols, lambda start, stop: PackedTensor(words[start:stop], steps[start:stop]))
+        key = found["weight"]
+        self._check_dense_shape(key, spec)
+        values, where = self.files.rows(key), f"{key} in {self.files.file_of(key)}"
+
+        def recover(start: int, stop: int) -> PackedTensor:
+            if start == 0:  # a new pass over the matrix
+                self._reports[name] = GridReport(key)
+            packed, report = recover_grid(values[start:stop], where, RECOVERED_SCALE_DTYPE, row0=start)
+            self._reports[name].add(report)
+            return packed
+
+        return PackedBlocks(*spec.shape, recover)
+
+    def _found(self, name: str) -> tuple[dict[str, str], TensorSpec | None]:
+        found = self._parts.get(name)
+        if found is None:
+            raise Qat4Error(f"{self.location} has no tensor {name}")
+        return found, self._specs.get(name)
+
+    def _check_dense_shape(self, key: str, spec: TensorSpec | None) -> None:
+        shape = self.files.shape(key)
+        if spec is not None and tuple(shape) != spec.shape:
+            raise Qat4Error(f"tensor {key} in {self.files.file_of(key)} has shape {shape}; the config expects {list(spec.shape)}")
+
+    def _packed_parts(self, found: dict[str, str], spec: TensorSpec | None) -> tuple[str, str, int, int]:
+        """(words key, steps key, rows, cols) of a packed tensor, its shape record and parts checked."""
         packed_key, scale_key, shape_key = (found[p] for p in PACKED_PARTS)
         shape = self.files.get(shape_key)
         if shape.dtype not in (torch.int32, torch.int64) or tuple(shape.shape) != (2,):
@@ -240,7 +269,7 @@ class SafetensorsFolderSource:
             raise Qat4Error(f"tensor {shape_key} in {self.files.file_of(shape_key)} has {cols} columns, not a multiple of {GROUP}")
         self._expect(packed_key, ("I32",), [rows, cols // PER_WORD])
         self._expect(scale_key, ("BF16", "F16"), [rows, cols // GROUP])
-        return PackedTensor(self.files.get(packed_key), self.files.get(scale_key))
+        return packed_key, scale_key, rows, cols
 
     def _expect(self, key: str, dtypes: tuple[str, ...], shape: list[int]) -> None:
         dtype, got = self.files.dtype(key), self.files.shape(key)
@@ -285,24 +314,40 @@ class Stored:
     def _key(self, part: str) -> str:
         return stored_key(self.key, part)
 
-    def encode(self, tensor: Tensor) -> Iterator[tuple[str, torch.Tensor | Iterator[torch.Tensor]]]:
-        """(stored key, data) pairs for the writer; dense 16-bit matrices come in row chunks."""
-        if isinstance(tensor, PackedTensor):
+    def encode(self, tensor: Tensor | PackedBlocks) -> Iterator[tuple[str, torch.Tensor | Iterator[torch.Tensor]]]:
+        """(stored key, data) pairs for the writer, consumed in order; dense 16-bit matrices come in
+        row chunks, and so do the words of PackedBlocks (their steps, 1/4 the size, are gathered
+        while the words stream and written next)."""
+        if isinstance(tensor, (PackedTensor, PackedBlocks)):
             if self.scale_dtype is None:
                 yield self._key("weight"), dense_chunks(tensor, torch.bfloat16)
+            elif isinstance(tensor, PackedBlocks):
+                steps = torch.empty(tensor.rows, tensor.cols // GROUP, dtype=self.scale_dtype)
+
+                def words() -> Iterator[torch.Tensor]:
+                    row = 0
+                    for block in tensor.blocks():
+                        steps[row : row + block.rows] = block.scales
+                        row += block.rows
+                        yield block.packed
+
+                yield self._key("weight_packed"), words()
+                yield self._key("weight_scale"), steps
             else:
                 yield self._key("weight_packed"), tensor.packed
                 yield self._key("weight_scale"), tensor.scales.to(self.scale_dtype)
+            if self.scale_dtype is not None:
                 yield self._key("weight_shape"), torch.tensor(tensor.shape, dtype=torch.int64)
         else:
             yield self._key("weight"), tensor.to(torch.bfloat16)
 
 
-def dense_chunks(tensor: PackedTensor, dtype: torch.dtype, chunk_elements: int = 1 << 22) -> Iterator[torch.Tensor]:
+def dense_chunks(tensor: PackedTensor | PackedBlocks, dtype: torch.dtype, chunk_elements: int = 1 << 22) -> Iterator[torch.Tensor]:
     """The dequantised matrix, a block of rows at a time (exact for on-grid 16-bit values)."""
     step = max(1, chunk_elements // tensor.cols)
-    for start in range(0, tensor.rows, step):
-        yield dequantize(tensor.packed[start : start + step], tensor.scales[start : start + step], dtype)
+    for block in tensor.blocks() if isinstance(tensor, PackedBlocks) else [tensor]:
+        for start in range(0, block.rows, step):
+            yield dequantize(block.packed[start : start + step], block.scales[start : start + step], dtype)
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from qat4.checkpoint.packing import PackedTensor
+from qat4.checkpoint.packing import PackedBlocks, PackedTensor
 from qat4.config import Gemma4Config
 from qat4.errors import Qat4Error
 
@@ -80,13 +80,13 @@ def is_unused_shared_kv(config: Gemma4Config, name: str) -> bool:
     return bool(m) and not config.owns_kv(int(m.group(1)))
 
 
-def check_tensor(name: str, tensor: Tensor, spec: TensorSpec, where: str | None = None) -> None:
+def check_tensor(name: str, tensor: Tensor | PackedBlocks, spec: TensorSpec, where: str | None = None) -> None:
     """Raise Qat4Error unless `tensor` has the kind (4-bit or dense) and shape `spec` gives."""
     place = f" in {where}" if where else ""
-    if spec.packed != isinstance(tensor, PackedTensor):
+    if spec.packed != isinstance(tensor, (PackedTensor, PackedBlocks)):
         kind = "a 4-bit matrix" if spec.packed else "a dense tensor"
         raise Qat4Error(f"tensor {name}{place} should be {kind}")
-    shape = tensor.shape if isinstance(tensor, PackedTensor) else tuple(tensor.shape)
+    shape = tensor.shape if spec.packed else tuple(tensor.shape)
     if tuple(shape) != spec.shape:
         raise Qat4Error(f"tensor {name}{place} has shape {list(shape)}; the config expects {list(spec.shape)}")
 

@@ -9,6 +9,7 @@ Layout (compressed-tensors order): a matrix W [rows, cols] (cols a multiple of 3
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 
@@ -17,6 +18,8 @@ from qat4.errors import Qat4Error
 GROUP = 32
 PER_WORD = 8
 _ROW_CHUNK_ELEMENTS = 1 << 20  # elements handled at once: 4 MB fp32 temporaries stay in cache (3x faster than 1 << 24)
+STREAM_BYTES = 256 << 20  # a 4-bit matrix with more bytes of codes than this is repacked a row block at a time
+_BLOCK_BYTES = 32 << 20  # bytes of codes per row block of such a matrix
 
 
 @dataclass
@@ -60,6 +63,32 @@ class PackedTensor:
         return PackedTensor(
             torch.cat([p.packed for p in parts]), torch.cat([p.scales.to(self.scales.dtype) for p in parts])
         )
+
+
+@dataclass
+class PackedBlocks:
+    """A 4-bit matrix [rows, cols] too large to hold while it is converted, read as consecutive
+    blocks of rows: `read_rows(start, stop)` returns rows start..stop-1 as a PackedTensor, and each
+    pass of :meth:`blocks` reads the matrix again from row 0."""
+
+    rows: int
+    cols: int
+    read_rows: Callable[[int, int], PackedTensor]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    def blocks(self) -> Iterator[PackedTensor]:
+        step = max(1, 2 * _BLOCK_BYTES // self.cols)
+        for start in range(0, self.rows, step):
+            yield self.read_rows(start, min(self.rows, start + step))
+
+
+def streamed(shape: tuple[int, int]) -> bool:
+    """Whether a repack reads a 4-bit matrix of this shape as PackedBlocks rather than whole."""
+    rows, cols = shape
+    return rows * cols // 2 > STREAM_BYTES
 
 
 def pack_levels(levels: torch.Tensor) -> torch.Tensor:
@@ -109,13 +138,14 @@ class GridReport:
 
 
 def recover_grid(
-    weight: torch.Tensor, name: str, scale_dtype: torch.dtype = torch.float16
+    weight: torch.Tensor, name: str, scale_dtype: torch.dtype = torch.float16, row0: int = 0
 ) -> tuple[PackedTensor, GridReport]:
     """Recover the trained (level, step) of every group of 32 along each row of a 16-bit matrix.
 
     weight: [rows, cols] bf16/fp16/fp32 whose groups are `step x level` up to 16-bit rounding: a
     tensor, or anything with `.shape`, `.dim()` and row slicing (a reader's :class:`RowSlices`),
     which is then read a row chunk at a time. The result is allocated once and filled in place.
+    `row0`: the row of the whole matrix that weight's first row is, for messages.
     Per group: for m = 1..8 try step = amax / m and keep the first that reproduces every value
     within 2^-7 amax with levels in -8..7 (amax / 8 alone is wrong whenever the peak is not at
     level -8); refine the step by least squares, round it to `scale_dtype`, recompute the levels.
@@ -130,7 +160,7 @@ def recover_grid(
     report = GridReport(name)
     for start in range(0, rows, chunk):
         block = weight[start : start + chunk]
-        levels, steps, part = _recover_block(block, name, start, scale_dtype)
+        levels, steps, part = _recover_block(block, name, row0 + start, scale_dtype)
         packed[start : start + chunk] = pack_levels(levels)
         scales[start : start + chunk] = steps
         report.add(part)

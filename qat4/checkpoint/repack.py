@@ -1,7 +1,8 @@
 """Repack a checkpoint of any format into compressed-tensors (`ct`, `ct-emb4`) or an exact Q4_0 GGUF.
 
-The repack streams: tensors are read from the (memory-mapped) source one at a time in canonical
-order, handed to the writer and dropped, so memory holds about one tensor, never the model. Codes
+The repack streams: tensors are read from the source one at a time in canonical order, handed to
+the writer and dropped, and a matrix above `packing.STREAM_BYTES` of codes (the per-layer table)
+passes as a block of rows at a time, so memory holds a few hundred megabytes, never the model. Codes
 and steps pass through unchanged; a 16-bit source is recovered onto the grid and the first
 off-grid group aborts the run, naming tensor and group. A step the output cannot store exactly
 (Q4_0 and emb4 tables hold fp16, `ct` linears bf16 unless `scale_dtype` says otherwise) also
@@ -34,7 +35,7 @@ from qat4.checkpoint.gguf import require_exact_steps, write_gguf
 from qat4.checkpoint.hf_layout import LM_HEAD
 from qat4.checkpoint.loader import open_checkpoint
 from qat4.checkpoint.packed_model import Tensor, expected_tensors, is_unused_shared_kv
-from qat4.checkpoint.packing import GridReport, PackedTensor
+from qat4.checkpoint.packing import GridReport, PackedBlocks, PackedTensor
 from qat4.checkpoint.source import CheckpointSource
 from qat4.config import Gemma4Config
 from qat4.errors import Qat4Error
@@ -97,19 +98,23 @@ def lm_head_differs(source: CheckpointSource) -> bool:
     return fingerprint(source.read(LM_HEAD)) != fingerprint(source.read("embed_tokens"))
 
 
-def fingerprint(tensor: Tensor) -> tuple[str, str]:
+def fingerprint(tensor: Tensor | PackedBlocks) -> tuple[str, str]:
     """Digests of a tensor's shape and content: (codes, steps as fp32) for a 4-bit matrix, (values as
-    fp32, "") for a dense tensor. Equal digests mean equal codes and steps whatever the dtypes."""
-    def digest(*parts: torch.Tensor) -> str:
-        h = hashlib.blake2b(digest_size=16)
-        for part in parts:
-            h.update(part.contiguous().reshape(-1).view(torch.uint8).numpy())
-        return h.hexdigest()
+    fp32, "") for a dense tensor. Equal digests mean equal codes and steps whatever the dtypes, and
+    whether the matrix comes whole or in blocks."""
+    codes, steps = hashlib.blake2b(digest_size=16), hashlib.blake2b(digest_size=16)
 
-    shape = torch.tensor(tuple(tensor.shape), dtype=torch.int64)
-    if isinstance(tensor, PackedTensor):
-        return digest(shape, tensor.packed), digest(tensor.scales.to(torch.float32))
-    return digest(shape, tensor.to(torch.float32)), ""
+    def add(h, part: torch.Tensor) -> None:
+        h.update(part.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+    add(codes, torch.tensor(tuple(tensor.shape), dtype=torch.int64))
+    if not isinstance(tensor, (PackedTensor, PackedBlocks)):
+        add(codes, tensor.to(torch.float32))
+        return codes.hexdigest(), ""
+    for block in tensor.blocks() if isinstance(tensor, PackedBlocks) else [tensor]:
+        add(codes, block.packed)
+        add(steps, block.scales.to(torch.float32))
+    return codes.hexdigest(), steps.hexdigest()
 
 
 class _Streamed(Mapping):
@@ -131,14 +136,26 @@ class _Streamed(Mapping):
     def __getitem__(self, name: str) -> Tensor:
         if name not in self._names:
             raise KeyError(name)
-        tensor = self._source.read(name)
+        tensor = self._source.read_blocks(name)
         dtype = self._step_dtype(name)
-        if isinstance(tensor, PackedTensor) and dtype is not None:
+        if isinstance(tensor, PackedBlocks) and dtype is not None:
+            tensor = self._checked_blocks(tensor, name, dtype)
+        elif isinstance(tensor, PackedTensor) and dtype is not None:
             require_exact_steps(tensor.scales, dtype, name, self._consequence)
         if name in self._sample:
             self.fingerprints[name] = fingerprint(tensor)
         self._on_read(name)
         return tensor
+
+    def _checked_blocks(self, tensor: PackedBlocks, name: str, dtype: torch.dtype) -> PackedBlocks:
+        """The same blocks, each one's steps checked against `dtype` as it is read."""
+
+        def read_rows(start: int, stop: int) -> PackedTensor:
+            block = tensor.read_rows(start, stop)
+            require_exact_steps(block.scales, dtype, name, self._consequence, row0=start)
+            return block
+
+        return PackedBlocks(tensor.rows, tensor.cols, read_rows)
 
 
 def _disk_bytes(folder: Path) -> int:
@@ -178,7 +195,7 @@ def check_written(path: Path, source: CheckpointSource, names: list[str], finger
     if LM_HEAD in got and LM_HEAD not in names:
         checks[LM_HEAD] = fingerprints["embed_tokens"]
     for name, (codes, steps) in checks.items():
-        got_codes, got_steps = fingerprint(written.read(name))
+        got_codes, got_steps = fingerprint(written.read_blocks(name))
         if got_codes != codes or (got_steps != steps and name not in written.grid_reports()):
             raise Qat4Error(f"tensor {name} of the written {path} does not read back equal to {source.location}")
 

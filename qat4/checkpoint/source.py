@@ -12,7 +12,7 @@ from typing import Iterator, Protocol
 
 from qat4.checkpoint import FORMATS  # noqa: F401  (re-exported: the format names every reader reports)
 from qat4.checkpoint.packed_model import Tensor
-from qat4.checkpoint.packing import GridReport
+from qat4.checkpoint.packing import GridReport, PackedBlocks
 from qat4.config import Gemma4Config
 
 @dataclass
@@ -44,6 +44,10 @@ class CheckpointSource(Protocol):
         """One tensor in packed form: 4-bit matrices as PackedTensor (16-bit tables recovered
         onto the grid, raising Qat4Error naming the tensor and group when off-grid), the rest
         as dense torch tensors in their stored dtype."""
+
+    def read_blocks(self, name: str) -> Tensor | PackedBlocks:
+        """As read, except that a 4-bit matrix large enough to be `packing.streamed` may come as
+        PackedBlocks, read a block of rows at a time (how a repack keeps its memory bounded)."""
 
     def grid_reports(self) -> dict[str, GridReport]:
         """For tensors recovered from 16-bit values so far: how many values reproduce exactly."""
