@@ -28,7 +28,7 @@ from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueType, LlamaF
 from qat4.checkpoint.gguf_file import GGUFFile, TensorInfo, Value, encode_header
 from qat4.checkpoint.hf_layout import LM_HEAD
 from qat4.checkpoint.packed_model import Tensor, expected_tensors, is_unused_shared_kv
-from qat4.checkpoint.packing import GROUP, PER_WORD, GridReport, PackedBlocks, PackedTensor, recover_grid, streamed
+from qat4.checkpoint.packing import GROUP, PER_WORD, GridReport, PackedBlocks, PackedTensor, recover_grid, row_blocks, streamed
 from qat4.checkpoint.source import AuxFiles
 from qat4.config import FULL, SLIDING, Gemma4Config
 from qat4.errors import Qat4Error
@@ -516,13 +516,11 @@ def _tensor_bytes(item: _Planned, tensor: Tensor | PackedBlocks) -> Iterator[np.
     shape = tuple(tensor.shape)
     if shape != item.info.shape:
         raise Qat4Error(f"tensor {item.name} has shape {list(shape)}; the config expects {list(item.info.shape)}")
-    if isinstance(tensor, PackedBlocks):
+    if item.packed:
         row = 0
-        for block in tensor.blocks():
+        for block in row_blocks(tensor):
             yield from packed_to_q4_0(block, item.name, row)
             row += block.rows
-    elif item.packed:
-        yield from packed_to_q4_0(tensor, item.name)
     else:
         yield tensor.detach().to(torch.float32).contiguous().numpy().reshape(-1).view(np.uint8)
 

@@ -20,7 +20,9 @@ from typing import Callable, Iterable, Iterator, Mapping
 import torch
 
 from qat4.checkpoint.packed_model import Tensor, TensorSpec, check_tensor, expected_tensors, is_unused_shared_kv
-from qat4.checkpoint.packing import GROUP, PER_WORD, GridReport, PackedBlocks, PackedTensor, dequantize, recover_grid, streamed
+from qat4.checkpoint.packing import (
+    GROUP, PER_WORD, GridReport, PackedBlocks, PackedTensor, dequantize, recover_grid, row_blocks, streamed,
+)
 from qat4.checkpoint.safetensors_io import DEFAULT_SHARD_BYTES, Entry, SafetensorsReader, SafetensorsWriter, write_text_atomic
 from qat4.checkpoint.source import AuxFiles
 from qat4.config import Gemma4Config
@@ -345,7 +347,7 @@ class Stored:
 def dense_chunks(tensor: PackedTensor | PackedBlocks, dtype: torch.dtype, chunk_elements: int = 1 << 22) -> Iterator[torch.Tensor]:
     """The dequantised matrix, a block of rows at a time (exact for on-grid 16-bit values)."""
     step = max(1, chunk_elements // tensor.cols)
-    for block in tensor.blocks() if isinstance(tensor, PackedBlocks) else [tensor]:
+    for block in row_blocks(tensor):
         for start in range(0, block.rows, step):
             yield dequantize(block.packed[start : start + step], block.scales[start : start + step], dtype)
 

@@ -80,9 +80,16 @@ class PackedBlocks:
         return (self.rows, self.cols)
 
     def blocks(self) -> Iterator[PackedTensor]:
-        step = max(1, 2 * _BLOCK_BYTES // self.cols)
-        for start in range(0, self.rows, step):
-            yield self.read_rows(start, min(self.rows, start + step))
+        return row_blocks(self)
+
+
+def row_blocks(t: PackedTensor | PackedBlocks) -> Iterator[PackedTensor]:
+    """A 4-bit matrix, whole or PackedBlocks, as consecutive row blocks of about _BLOCK_BYTES of
+    codes; both forms of one shape split at the same rows."""
+    step = max(1, 2 * _BLOCK_BYTES // t.cols)
+    for start in range(0, t.rows, step):
+        stop = min(t.rows, start + step)
+        yield t.read_rows(start, stop) if isinstance(t, PackedBlocks) else PackedTensor(t.packed[start:stop], t.scales[start:stop])
 
 
 def streamed(shape: tuple[int, int]) -> bool:

@@ -35,7 +35,7 @@ from qat4.checkpoint.gguf import require_exact_steps, write_gguf
 from qat4.checkpoint.hf_layout import LM_HEAD
 from qat4.checkpoint.loader import open_checkpoint
 from qat4.checkpoint.packed_model import Tensor, expected_tensors, is_unused_shared_kv
-from qat4.checkpoint.packing import GridReport, PackedBlocks, PackedTensor
+from qat4.checkpoint.packing import GridReport, PackedBlocks, PackedTensor, row_blocks
 from qat4.checkpoint.source import CheckpointSource
 from qat4.config import Gemma4Config
 from qat4.errors import Qat4Error
@@ -111,7 +111,7 @@ def fingerprint(tensor: Tensor | PackedBlocks) -> tuple[str, str]:
     if not isinstance(tensor, (PackedTensor, PackedBlocks)):
         add(codes, tensor.to(torch.float32))
         return codes.hexdigest(), ""
-    for block in tensor.blocks() if isinstance(tensor, PackedBlocks) else [tensor]:
+    for block in row_blocks(tensor):
         add(codes, block.packed)
         add(steps, block.scales.to(torch.float32))
     return codes.hexdigest(), steps.hexdigest()

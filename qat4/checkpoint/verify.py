@@ -20,7 +20,7 @@ import torch
 
 from qat4.checkpoint.hf_layout import LM_HEAD
 from qat4.checkpoint.packed_model import Tensor, expected_tensors, is_unused_shared_kv
-from qat4.checkpoint.packing import GROUP, GridReport, PackedTensor, unpack_levels
+from qat4.checkpoint.packing import GROUP, GridReport, PackedBlocks, PackedTensor, row_blocks, unpack_levels
 from qat4.checkpoint.source import CheckpointSource
 
 SINGLE_TENSOR_GROUPS = ("embed_tokens", "embed_tokens_per_layer", LM_HEAD, "per_layer_model_projection")
@@ -83,18 +83,25 @@ def _merge(total: GridReport | None, part: GridReport | None) -> GridReport | No
     return merged
 
 
-def compare_tensors(a: Tensor, b: Tensor) -> Tally:
-    """Compare two tensors of the same shape; 4-bit matrices in row chunks (never a dense copy)."""
+def compare_tensors(a: Tensor | PackedBlocks, b: Tensor | PackedBlocks) -> Tally:
+    """Compare two tensors of the same shape; 4-bit matrices (whole or in blocks) in row chunks,
+    never a dense copy."""
     tally = Tally(tensors=1)
-    if isinstance(a, PackedTensor) and isinstance(b, PackedTensor):
+    if _is_matrix(a) and _is_matrix(b):
         step = max(1, _CHUNK_ELEMENTS // a.cols)
-        for r in range(0, a.rows, step):
-            _compare_packed_rows(a.packed[r : r + step], a.scales[r : r + step], b.packed[r : r + step], b.scales[r : r + step], tally)
+        for ba, bb in zip(row_blocks(a), row_blocks(b)):
+            for r in range(0, ba.rows, step):
+                _compare_packed_rows(ba.packed[r : r + step], ba.scales[r : r + step], bb.packed[r : r + step],
+                                     bb.scales[r : r + step], tally)
     else:
         va, vb = _dense(a), _dense(b)
         tally.elements = va.numel()
         tally.elements_differing = int((va != vb).sum())
     return tally
+
+
+def _is_matrix(t: Tensor | PackedBlocks) -> bool:
+    return isinstance(t, (PackedTensor, PackedBlocks))
 
 
 def _dense(t: Tensor) -> torch.Tensor:
@@ -176,12 +183,12 @@ def compare(a: CheckpointSource, b: CheckpointSource, progress: Progress | None 
     result = Comparison(a.location, b.location, a.format, b.format, notes=_config_notes(a, b))
     pairs, result.problems = _pairs(a, b)
     for done, (name, name_a, name_b) in enumerate(pairs, 1):
-        ta, tb = a.read(name_a), b.read(name_b)
+        ta, tb = a.read_blocks(name_a), b.read_blocks(name_b)
         shape_a = tuple(ta.shape)
         if shape_a != tuple(tb.shape):
             result.problems.append(f"tensor {name} has shape {list(shape_a)} in A and {list(tb.shape)} in B")
-        elif isinstance(ta, PackedTensor) != isinstance(tb, PackedTensor):
-            result.problems.append(f"tensor {name} is a 4-bit matrix in {'A' if isinstance(ta, PackedTensor) else 'B'} only")
+        elif _is_matrix(ta) != _is_matrix(tb):
+            result.problems.append(f"tensor {name} is a 4-bit matrix in {'A' if _is_matrix(ta) else 'B'} only")
         else:
             tally = compare_tensors(ta, tb)
             # A tied side's embed_tokens stands in for lm_head; its report is counted under embed_tokens.
