@@ -1,8 +1,9 @@
 """The engine: one sequence at a time over an engine-owned KV cache.
 
 A prompt is read in chunks of ``prefill_chunk`` tokens (by default the largest of 4096 .. 256 whose
-estimated working memory fits beside the model and cache; 256 on the CPU); each new token then runs one decode step
-(embedding -> layers -> output layer -> greedy argmax or sampling) over static device buffers.
+estimated working memory fits beside the model and cache; 256 on the CPU); each new token then
+runs one decode step (embedding -> layers -> output layer -> greedy argmax or sampling) over static
+device buffers.
 On CUDA that step is captured once as a CUDA graph per sampling shape and replayed per token; the
 host enqueues step n+1 before it reads token n back, so the GPU never waits for Python.
 """
@@ -168,9 +169,9 @@ class Engine:
         dtype: compute dtype (default: :func:`default_dtype`). max_ctx: context in tokens
         (default 131072), at most the model's max_position_embeddings. prefill_chunk: tokens per
         prefill step; None picks the largest of AUTO_PREFILL_CHUNKS whose estimated working memory
-        fits beside the model and the KV cache (256 on the CPU). memory_cap_mib: on CUDA, cap this process's GPU memory before anything is
-        allocated; raises Qat4Error at load when the model, the KV cache and the prefill
-        workspace do not fit. cuda_graph: replay decode as a CUDA graph (CUDA only).
+        fits beside the model and the KV cache (256 on the CPU). memory_cap_mib: on CUDA, cap this
+        process's GPU memory before anything is allocated; raises Qat4Error at load when the
+        model, the KV cache and the prefill workspace do not fit. cuda_graph: replay decode as a CUDA graph (CUDA only).
         """
         from qat4.checkpoint.loader import load_packed
 
@@ -428,6 +429,17 @@ def _estimate_model_nbytes(packed: PackedModel, max_ctx: int, dtype: torch.dtype
     return total
 
 
+def _model_and_cache_nbytes(packed: PackedModel, max_ctx: int, dtype: torch.dtype) -> tuple[int, int]:
+    """Estimated device bytes of the model and of a KV cache of max_ctx tokens."""
+    return _estimate_model_nbytes(packed, max_ctx, dtype), KVCache.estimate_nbytes(packed.config, max_ctx, dtype)
+
+
+def _free_nbytes(device: torch.device, cap: int | None) -> int:
+    """Bytes this process may still allocate on a CUDA device: what the cap leaves, or without a
+    cap what the GPU has free."""
+    return cap - torch.cuda.memory_allocated(device) if cap is not None else torch.cuda.mem_get_info(device)[0]
+
+
 def _auto_prefill_chunk(packed: PackedModel, max_ctx: int, dtype: torch.dtype, device: torch.device,
                         cap: int | None) -> int:
     """The largest of AUTO_PREFILL_CHUNKS (at most max_ctx) whose estimated working memory, plus the
@@ -436,17 +448,15 @@ def _auto_prefill_chunk(packed: PackedModel, max_ctx: int, dtype: torch.dtype, d
     smallest = min(AUTO_PREFILL_CHUNKS[-1], max_ctx)
     if device.type != "cuda":
         return smallest
-    left = cap - torch.cuda.memory_allocated(device) if cap is not None else torch.cuda.mem_get_info(device)[0]
-    left -= _estimate_model_nbytes(packed, max_ctx, dtype) + KVCache.estimate_nbytes(packed.config, max_ctx, dtype)
+    left = _free_nbytes(device, cap) - sum(_model_and_cache_nbytes(packed, max_ctx, dtype))
     fits = [c for c in AUTO_PREFILL_CHUNKS if c <= max_ctx and c * PREFILL_BYTES_PER_TOKEN + TUNING_RESERVE <= left]
     return fits[0] if fits else smallest
 
 
 def _check_fits(packed: PackedModel, max_ctx: int, dtype: torch.dtype, device: torch.device, cap: int) -> None:
     """Raise Qat4Error before allocating when the weights and the KV cache alone exceed the cap."""
-    model = _estimate_model_nbytes(packed, max_ctx, dtype)
-    cache = KVCache.estimate_nbytes(packed.config, max_ctx, dtype)
-    free = cap - torch.cuda.memory_allocated(device)
+    model, cache = _model_and_cache_nbytes(packed, max_ctx, dtype)
+    free = _free_nbytes(device, cap)
     if model + cache > free:
         raise Qat4Error(
             f"the model ({model / MIB:,.0f} MiB) and a KV cache of {max_ctx} tokens ({cache / MIB:,.0f} MiB) "

@@ -317,31 +317,26 @@ class Stored:
         return stored_key(self.key, part)
 
     def encode(self, tensor: Tensor | PackedBlocks) -> Iterator[tuple[str, torch.Tensor | Iterator[torch.Tensor]]]:
-        """(stored key, data) pairs for the writer, consumed in order; dense 16-bit matrices come in
-        row chunks, and so do the words of PackedBlocks (their steps, 1/4 the size, are gathered
-        while the words stream and written next)."""
-        if isinstance(tensor, (PackedTensor, PackedBlocks)):
-            if self.scale_dtype is None:
-                yield self._key("weight"), dense_chunks(tensor, torch.bfloat16)
-            elif isinstance(tensor, PackedBlocks):
-                steps = torch.empty(tensor.rows, tensor.cols // GROUP, dtype=self.scale_dtype)
-
-                def words() -> Iterator[torch.Tensor]:
-                    row = 0
-                    for block in tensor.blocks():
-                        steps[row : row + block.rows] = block.scales
-                        row += block.rows
-                        yield block.packed
-
-                yield self._key("weight_packed"), words()
-                yield self._key("weight_scale"), steps
-            else:
-                yield self._key("weight_packed"), tensor.packed
-                yield self._key("weight_scale"), tensor.scales.to(self.scale_dtype)
-            if self.scale_dtype is not None:
-                yield self._key("weight_shape"), torch.tensor(tensor.shape, dtype=torch.int64)
-        else:
+        """(stored key, data) pairs for the writer, consumed in order; matrices come in row blocks
+        (whole or PackedBlocks alike): dense 16-bit values, or the words, whose steps (1/4 the
+        size) are gathered while the words stream and written next."""
+        if not isinstance(tensor, (PackedTensor, PackedBlocks)):
             yield self._key("weight"), tensor.to(torch.bfloat16)
+        elif self.scale_dtype is None:
+            yield self._key("weight"), dense_chunks(tensor, torch.bfloat16)
+        else:
+            steps = torch.empty(tensor.rows, tensor.cols // GROUP, dtype=self.scale_dtype)
+
+            def words() -> Iterator[torch.Tensor]:
+                row = 0
+                for block in row_blocks(tensor):
+                    steps[row : row + block.rows] = block.scales
+                    row += block.rows
+                    yield block.packed
+
+            yield self._key("weight_packed"), words()
+            yield self._key("weight_scale"), steps
+            yield self._key("weight_shape"), torch.tensor(tensor.shape, dtype=torch.int64)
 
 
 def dense_chunks(tensor: PackedTensor | PackedBlocks, dtype: torch.dtype, chunk_elements: int = 1 << 22) -> Iterator[torch.Tensor]:

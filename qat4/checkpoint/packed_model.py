@@ -86,8 +86,8 @@ def check_tensor(name: str, tensor: Tensor | PackedBlocks, spec: TensorSpec, whe
     if spec.packed != isinstance(tensor, (PackedTensor, PackedBlocks)):
         kind = "a 4-bit matrix" if spec.packed else "a dense tensor"
         raise Qat4Error(f"tensor {name}{place} should be {kind}")
-    shape = tensor.shape if spec.packed else tuple(tensor.shape)
-    if tuple(shape) != spec.shape:
+    shape = tuple(tensor.shape)
+    if shape != spec.shape:
         raise Qat4Error(f"tensor {name}{place} has shape {list(shape)}; the config expects {list(spec.shape)}")
 
 

@@ -69,7 +69,7 @@ class PackedTensor:
 class PackedBlocks:
     """A 4-bit matrix [rows, cols] too large to hold while it is converted, read as consecutive
     blocks of rows: `read_rows(start, stop)` returns rows start..stop-1 as a PackedTensor, and each
-    pass of :meth:`blocks` reads the matrix again from row 0."""
+    pass of :func:`row_blocks` reads the matrix again from row 0."""
 
     rows: int
     cols: int
@@ -78,9 +78,6 @@ class PackedBlocks:
     @property
     def shape(self) -> tuple[int, int]:
         return (self.rows, self.cols)
-
-    def blocks(self) -> Iterator[PackedTensor]:
-        return row_blocks(self)
 
 
 def row_blocks(t: PackedTensor | PackedBlocks) -> Iterator[PackedTensor]:
