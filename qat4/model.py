@@ -2,8 +2,10 @@
 
 Every op dispatches itself (CPU tensors: torch references; CUDA tensors: Triton kernels), so the
 same code runs a tiny model on the CPU against transformers and E2B on a GPU. Weights stay packed
-int4; at load time q/k/v (KV-owning layers) and gate/up are merged by row concatenation (group
-steps keep their stored 16-bit dtype), and RoPE cos/sin tables are built per layer type.
+int4; at load time q/k/v (KV-owning layers) are merged by row concatenation and gate/up by
+alternating rows, so the GELU gate runs in the projection's epilogue (group steps keep their stored
+16-bit dtype), and RoPE cos/sin tables are built per layer type. Each residual step runs in the
+epilogue of the projection that feeds it (one launch per projection in decode).
 
 Shapes: T tokens, D hidden, H query heads, d head dim of the layer (one KV head), I MLP width,
 L layers, P per-layer-input width, V vocabulary. Spec: docs/gemma4-e2b.md §3-4.
@@ -21,11 +23,9 @@ from qat4.checkpoint.packed_model import PackedModel
 from qat4.checkpoint.packing import PackedTensor
 from qat4.errors import Qat4Error
 from qat4.ops.attention import decode_attention, prefill_attention
-from qat4.ops.norms import (
-    gelu_tanh_mul, qk_norm_rope, qk_norm_rope_store, residual_rms_norm, rms_norm, rope_cos_sin_cache, rope_inv_freq,
-)
+from qat4.ops.norms import qk_norm_rope, qk_norm_rope_store, rms_norm, rope_cos_sin_cache, rope_inv_freq
 from qat4.ops.w4_embedding import w4_embedding
-from qat4.ops.w4_linear import w4_argmax, w4_linear, w4_logits
+from qat4.ops.w4_linear import ResidualStep, w4_argmax, w4_linear, w4_linear_gelu, w4_linear_residual, w4_logits
 
 Attend = Callable[["Layer", torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
 """(layer, q [T, H, d], k [T, 1, d] | None, v [T, 1, d] | None) -> attention output [T, H, d].
@@ -36,6 +36,17 @@ q, k, v come straight from the projection: the callback applies head norms and R
 def linear(x: torch.Tensor, w: PackedTensor) -> torch.Tensor:
     """x [T, in] @ w.T -> [T, out] straight from the packed words."""
     return w4_linear(x, w.packed, w.scales)
+
+
+def linear_gelu(x: torch.Tensor, w: PackedTensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """gelu_tanh(x @ gate.T) * (x @ up.T) for w with alternating gate/up rows [2I, in] -> [T, I];
+    or gelu_tanh(x @ w.T) * up for a given up [T, out]."""
+    return w4_linear_gelu(x, w.packed, w.scales, up)
+
+
+def linear_residual(x: torch.Tensor, w: PackedTensor, step: ResidualStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [T, in] @ w.T fed into a residual step -> (h out [T, D], next input norm [T, D] or None)."""
+    return w4_linear_residual(x, w.packed, w.scales, step)
 
 
 def dtype_round(value: float, dtype: torch.dtype) -> float:
@@ -54,7 +65,7 @@ class Layer:
     owns_kv: bool
     qkv: PackedTensor  # [H*d (+ 2d when owns_kv), D]: q, then k and v rows
     o_proj: PackedTensor  # [D, H*d]
-    gate_up: PackedTensor  # [2I, D]: gate rows, then up rows
+    gate_up: PackedTensor  # [2I, D]: rows alternate gate and up
     down: PackedTensor  # [D, I]
     ple_gate: PackedTensor  # per_layer_input_gate [P, D]
     ple_proj: PackedTensor  # per_layer_projection [D, P]
@@ -105,7 +116,7 @@ class Gemma4:
         return t.to(self.device, self.dtype)
 
     def _layer(self, model: PackedModel, i: int) -> Layer:
-        """Layer i's weights, q/k/v and gate/up merged by row concatenation."""
+        """Layer i's weights: q/k/v merged by row concatenation, gate/up by alternating rows."""
         cfg, p = self.config, f"layers.{i}."
         mat = lambda name: self._matrix(model[name])  # noqa: E731
         vec = lambda name: self._vector(model[name])  # noqa: E731
@@ -122,7 +133,7 @@ class Gemma4:
             owns_kv=owns,
             qkv=self._matrix(qkv),
             o_proj=mat(attn + "o_proj"),
-            gate_up=self._matrix(model[p + "mlp.gate_proj"].cat_rows(model[p + "mlp.up_proj"])),
+            gate_up=self._matrix(model[p + "mlp.gate_proj"].interleave_rows(model[p + "mlp.up_proj"])),
             down=mat(p + "mlp.down_proj"),
             ple_gate=mat(p + "per_layer_input_gate"),
             ple_proj=mat(p + "per_layer_projection"),
@@ -196,16 +207,12 @@ class Gemma4:
         k = qkv[:, H * d : (H + 1) * d].view(T, 1, d) if layer.owns_kv else None
         v = qkv[:, (H + 1) * d :].view(T, 1, d) if layer.owns_kv else None
         o = attend(layer, q, k, v)
-        h, x = residual_rms_norm(h, linear(o.reshape(T, H * d), layer.o_proj), layer.post_attention_norm,
-                                 next_weight=layer.pre_feedforward_norm, eps=eps)
-
-        gate_up = linear(x, layer.gate_up)
-        width = gate_up.shape[1] // 2
-        mlp = linear(gelu_tanh_mul(gate_up[:, :width], gate_up[:, width:]), layer.down)
-        h, _ = residual_rms_norm(h, mlp, layer.post_feedforward_norm, eps=eps)
-
-        gated = gelu_tanh_mul(linear(h, layer.ple_gate), ple[:, layer.index])
-        return residual_rms_norm(h, linear(gated, layer.ple_proj), layer.post_ple_norm, layer.scalar, next_norm, eps)
+        h, x = linear_residual(o.reshape(T, H * d), layer.o_proj,
+                               ResidualStep(h, layer.post_attention_norm, next_weight=layer.pre_feedforward_norm, eps=eps))
+        h, _ = linear_residual(linear_gelu(x, layer.gate_up), layer.down,
+                               ResidualStep(h, layer.post_feedforward_norm, eps=eps))
+        gated = linear_gelu(h, layer.ple_gate, ple[:, layer.index])
+        return linear_residual(gated, layer.ple_proj, ResidualStep(h, layer.post_ple_norm, layer.scalar, next_norm, eps))
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         h, ple = self.embed(ids)

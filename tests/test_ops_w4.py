@@ -191,6 +191,55 @@ def test_kernel_matvec_writes_into_out_and_split_k_is_deterministic():
 
 
 @kernel_test
+@pytest.mark.parametrize("m,config", [(1, None), (3, SPLIT_3), (2, {"RR": 8, "TR": 1, "BLOCK_G": 32, "SPLIT_K": 1})])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16])
+def test_kernel_matvec_gelu_gates_in_the_epilogue(m, config, x_dtype):
+    """Alternating gate/up rows (the MLP) and a separate up tensor, a strided view (per-layer input)."""
+    x, packed, scales = kernel_inputs(m, 48, 512, x_dtype, torch.float16)
+    x = x * 4  # gates of a few units: both tails of the GELU
+    pairs = wl.w4_matvec_gelu(x, packed, scales, config=config)
+    assert pairs.shape == (m, 24) and pairs.dtype == x_dtype
+    assert rel_err(pairs, wl.w4_linear_gelu_reference(x, packed, scales)) < OUT_TOL[x_dtype]
+    table = torch.randn(m, 3, 48, generator=torch.Generator().manual_seed(5)).to(KERNEL_DEVICE, x_dtype)
+    gated = wl.w4_matvec_gelu(x, packed, scales, table[:, 1], config=config)
+    assert gated.shape == (m, 48)
+    assert rel_err(gated, wl.w4_linear_gelu_reference(x, packed, scales, table[:, 1])) < OUT_TOL[x_dtype]
+
+
+@kernel_test
+@pytest.mark.parametrize("m,config", [(1, None), (3, SPLIT_3), (5, {"RR": 2, "TR": 4, "BLOCK_G": 4, "SPLIT_K": 1})])
+@pytest.mark.parametrize("scalar,next_norm", [(False, False), (True, True)])
+def test_kernel_matvec_residual_step_runs_in_the_last_program(m, config, scalar, next_norm):
+    """The residual step on the GEMV output, run by whichever program stores last: equal to the
+    reference step on the reference GEMV, and the grid ticket resets (a second call agrees)."""
+    x, packed, scales = kernel_inputs(m, 40, 512, torch.float32, torch.float16)
+    g = torch.Generator().manual_seed(7)
+    vec = lambda *shape: torch.randn(*shape, generator=g).to(KERNEL_DEVICE)  # noqa: E731
+    step = wl.ResidualStep(vec(m, 40), vec(40), vec(1) if scalar else None, vec(40) if next_norm else None, 1e-6)
+    h_out, x_next = wl.w4_matvec_residual(x, packed, scales, step, config=config)
+    want_h, want_x = wl.w4_linear_residual_reference(x, packed, scales, step)
+    assert rel_err(h_out, want_h) < 1e-5
+    assert (x_next is None) == (want_x is None) and (x_next is None or rel_err(x_next, want_x) < 1e-5)
+    again, _ = wl.w4_matvec_residual(x, packed, scales, step, config=config)
+    assert torch.equal(again, h_out)
+
+
+@kernel_test
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16])
+def test_kernel_matmul_gelu_gates_in_the_epilogue(x_dtype):
+    x, packed, scales = kernel_inputs(40, 48, 96, x_dtype, torch.float16)
+    x = x * 4
+    config = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_G": 1}
+    tol = 2 * OUT_TOL[x_dtype]
+    pairs = wl.w4_matmul(x, packed, scales, gelu=True, config=config)
+    assert pairs.shape == (40, 24)
+    assert rel_err(pairs, wl.w4_linear_gelu_reference(x, packed, scales)) < tol
+    up = torch.randn(40, 2, 48, generator=torch.Generator().manual_seed(3)).to(KERNEL_DEVICE, x_dtype)[:, 0]
+    gated = wl.w4_matmul(x, packed, scales, gelu=True, up=up, config=config)
+    assert rel_err(gated, wl.w4_linear_gelu_reference(x, packed, scales, up)) < tol
+
+
+@kernel_test
 @pytest.mark.parametrize("m,n,k,x_dtype,fp32,config", [
     (70, 33, 96, torch.float16, False, {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_G": 2}),
     (17, 40, 64, torch.float32, None, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_G": 1}),
@@ -260,6 +309,12 @@ def test_kernel_dispatchers(monkeypatch):
     assert rel_err(wl.w4_linear(x, packed, scales), reference) < 2 * OUT_TOL[torch.float16]
     assert rel_err(wl.w4_linear(x[:2], packed, scales), reference[:2]) < OUT_TOL[torch.float16]
     assert torch.equal(wl.w4_argmax(x[:3], packed, scales), wl.w4_argmax_reference(x[:3], packed, scales))
+    for rows in (x[:2], x):  # the GEMV, then the GEMM
+        tol = OUT_TOL[torch.float16] * (1 if rows.shape[0] <= wl.MAX_MATVEC_ROWS else 2)
+        assert rel_err(wl.w4_linear_gelu(rows, packed, scales), wl.w4_linear_gelu_reference(rows, packed, scales)) < tol
+        step = wl.ResidualStep(torch.randn_like(rows[:, :24]), torch.ones(24, device=KERNEL_DEVICE, dtype=rows.dtype))
+        got, _ = wl.w4_linear_residual(rows, packed, scales, step)
+        assert rel_err(got, wl.w4_linear_residual_reference(rows, packed, scales, step)[0]) < tol
     ids = torch.tensor([1, 23], device=KERNEL_DEVICE)
     assert torch.equal(we.w4_embedding(ids, packed, scales, 16.0, torch.float16),
                        we.w4_embedding_reference(ids, packed, scales, 16.0, torch.float16))

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from qat4.bench import fill  # noqa: E402
 from qat4.commands.bench import load_packed_for_bench  # noqa: E402
 from qat4.engine import GREEDY, Engine  # noqa: E402
+from qat4.ops import w4_linear  # noqa: E402
 
 
 def kernel_table(prof, steps: int, top: int) -> tuple[str, float, int]:
@@ -74,6 +75,9 @@ def main() -> None:
     print(f"decode step at depth {args.depth}: {launches} kernels, {kernel_us:.0f} µs of kernel time, "
           f"{graph_us:.0f} µs per graph replay ({1e6 / graph_us:.0f} tok/s)")
     print(table)
+    print("\nGEMV tiling chosen by the autotuner (N, G, rows of x, epilogue, residual -> RR, TR, BLOCK_G, SPLIT_K):")
+    for key, cfg in sorted(w4_linear._matvec_tuned.cache.items(), key=lambda item: str(item[0])):
+        print(f"  {key[:5]} -> {tuple(cfg.kwargs[k] for k in ('RR', 'TR', 'BLOCK_G', 'SPLIT_K'))}")
 
     chunk = ids[: args.chunk]
     engine.model.prefill(chunk, 0, engine.cache)

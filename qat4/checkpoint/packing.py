@@ -64,6 +64,16 @@ class PackedTensor:
             torch.cat([p.packed for p in parts]), torch.cat([p.scales.to(self.scales.dtype) for p in parts])
         )
 
+    def interleave_rows(self, other: "PackedTensor") -> "PackedTensor":
+        """Rows alternating self[0], other[0], self[1], ... (gate/up fusion whose GELU gate runs
+        in the GEMV epilogue on adjacent rows): exact, no repacking. Both [N, K] alike."""
+        if self.packed.shape != other.packed.shape:
+            raise ValueError(f"interleaved rows need equal shapes, got {tuple(self.shape)} and {tuple(other.shape)}")
+        return PackedTensor(
+            torch.stack([self.packed, other.packed], 1).flatten(0, 1),
+            torch.stack([self.scales, other.scales.to(self.scales.dtype)], 1).flatten(0, 1),
+        )
+
 
 @dataclass
 class PackedBlocks:

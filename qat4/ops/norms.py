@@ -197,27 +197,35 @@ def _rms_norm_kernel(X, W, Y, n_cols, stride_x, stride_y, eps, HAS_W: tl.constex
 
 
 @triton.jit
-def _residual_rms_norm_kernel(H, Y, W, S, NW, HO, XO, n_cols, eps,
-                              HAS_S: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """One row per program of contiguous H, Y [N, n_cols]: HO = (H + RMSNorm_W(Y)) * S[0] and, with
-    HAS_NEXT, XO = RMSNorm_NW(HO); outputs contiguous [N, n_cols]. Rounds to HO's dtype after the
-    norm, the sum and the product. Grid: (N,). BLOCK = next power of two >= n_cols."""
-    wait_for_previous_kernel(USE_PDL)
-    row = tl.program_id(0)
+def residual_rms_norm_row(H, Y, W, S, NW, HO, XO, n_cols, eps,
+                          HAS_S: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr):
+    """One row of :func:`residual_rms_norm_reference`: HO = (H + RMSNorm_W(Y)) * S[0] and, with
+    HAS_NEXT, XO = RMSNorm_NW(HO); every pointer at the row's first of n_cols contiguous values.
+    Rounds to HO's dtype after the norm, the sum and the product. Y is read past L1 (``.cg``), so
+    it may have been written by other programs of the same launch. BLOCK >= n_cols, a power of two."""
     dt = HO.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
-    y = tl.load(Y + row * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+    y = tl.load(Y + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
     normed = (y * tl.rsqrt(tl.sum(y * y, axis=0) / n_cols + eps) * w).to(dt)
-    h = (tl.load(H + row * n_cols + cols, mask=ok, other=0.0) + normed).to(dt)
+    h = (tl.load(H + cols, mask=ok, other=0.0) + normed).to(dt)
     if HAS_S:
         h = (h * tl.load(S)).to(dt)
-    tl.store(HO + row * n_cols + cols, h, mask=ok)
+    tl.store(HO + cols, h, mask=ok)
     if HAS_NEXT:
         hf = h.to(tl.float32)
         nw = tl.load(NW + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(XO + row * n_cols + cols, (hf * tl.rsqrt(tl.sum(hf * hf, axis=0) / n_cols + eps) * nw).to(dt), mask=ok)
+        tl.store(XO + cols, (hf * tl.rsqrt(tl.sum(hf * hf, axis=0) / n_cols + eps) * nw).to(dt), mask=ok)
+
+
+@triton.jit
+def _residual_rms_norm_kernel(H, Y, W, S, NW, HO, XO, n_cols, eps,
+                              HAS_S: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """:func:`residual_rms_norm_row` of contiguous H, Y, HO, XO [N, n_cols]. Grid: (N,)."""
+    wait_for_previous_kernel(USE_PDL)
+    at = tl.program_id(0) * n_cols
+    residual_rms_norm_row(H + at, Y + at, W, S, NW, HO + at, XO + at, n_cols, eps, HAS_S, HAS_NEXT, BLOCK)
 
 
 @triton.jit
@@ -295,12 +303,23 @@ def _qkv_norm_rope_kernel(
 
 
 @triton.jit
+def gelu_tanh_gate(g, u, dt: tl.constexpr):
+    """gelu_tanh(g) rounded to dt, times u, rounded to dt: g, u fp32 tensors holding dt values.
+
+    gelu_tanh(x) = x * sigmoid(2 * sqrt(2/pi) * (x + 0.044715 x^3)), the same function as
+    0.5 x (1 + tanh(...)) without its cancellation for negative x.
+    """
+    inner = 1.5957691216057308 * (g + 0.044715 * g * g * g)  # 2 * sqrt(2/pi) * (...)
+    act = (g / (1.0 + tl.exp(-tl.maximum(inner, -80.0)))).to(dt).to(tl.float32)
+    return (act * u).to(dt)
+
+
+@triton.jit
 def _gelu_tanh_mul_kernel(G, U, Y, n_cols, stride_g, stride_u, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """Y = gelu_tanh(G) * U, gelu rounded to Y's dtype first (as torch does in 16-bit).
+    """Y = gelu_tanh(G) * U (:func:`gelu_tanh_gate`).
 
     G, U [N, n_cols] (row strides given, unit column stride), Y [N, n_cols] contiguous.
-    Grid: (N, cdiv(n_cols, BLOCK)). gelu_tanh(x) = x * sigmoid(2 * sqrt(2/pi) * (x + 0.044715 x^3)),
-    the same function as 0.5 x (1 + tanh(...)) without its cancellation for negative x.
+    Grid: (N, cdiv(n_cols, BLOCK)).
     """
     wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
@@ -308,9 +327,7 @@ def _gelu_tanh_mul_kernel(G, U, Y, n_cols, stride_g, stride_u, BLOCK: tl.constex
     ok = cols < n_cols
     g = tl.load(G + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
-    inner = 1.5957691216057308 * (g + 0.044715 * g * g * g)  # 2 * sqrt(2/pi) * (...)
-    act = (g / (1.0 + tl.exp(-tl.maximum(inner, -80.0)))).to(Y.dtype.element_ty).to(tl.float32)
-    tl.store(Y + row * n_cols + cols, (act * u).to(Y.dtype.element_ty), mask=ok)
+    tl.store(Y + row * n_cols + cols, gelu_tanh_gate(g, u, Y.dtype.element_ty), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,6 +11,10 @@ Entry points (each kernel has a plain-torch reference with the same signature):
   :func:`w4_linear_reference`; :func:`w4_linear` picks one of the three.
 - :func:`w4_logits` / :func:`w4_argmax`: the output layer with Gemma's ``cap * tanh(z / cap)``
   softcap fused into the GEMV epilogue; the argmax never writes the logits.
+- :func:`w4_linear_gelu`: a projection whose GELU gate runs in the epilogue (the MLP's gate/up
+  with alternating rows; the per-layer input gate times its per-layer input).
+- :func:`w4_linear_residual`: a projection feeding the residual step and the next input norm
+  (:class:`ResidualStep`); in decode the GEMV's last program runs it, so the step costs no launch.
 
 The public functions pick Triton or the reference with :func:`qat4.ops.use_triton`.
 
@@ -24,12 +28,14 @@ later pick the same register layout for words and x (no shared-memory shuffles i
 The next step's loads are issued before the current step's arithmetic. With SPLIT_K > 1 every
 program stores an fp32 partial and the last one of a row block (a ticket counter per block) adds
 them in split order and runs the epilogue: no extra launch, deterministic. Tiling and split are
-autotuned per (N, K, BLOCK_M) over a small space: two tilings per BLOCK_M, each with the smallest
-split that launches 8 warps per SM.
+autotuned per (N, K, BLOCK_M, epilogue) over a small space: per tiling, the smallest split that
+launches 8 warps per SM and the smallest that leaves each program one step (its weights all
+loaded before the wait for x under programmatic dependent launch).
 """
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -37,12 +43,17 @@ import triton.language as tl
 
 from qat4.checkpoint.packing import dequantize
 from qat4.ops import use_triton
+from qat4.ops.norms import (
+    gelu_tanh_gate, gelu_tanh_mul_reference, residual_rms_norm_reference, residual_rms_norm_row,
+    residual_rms_norm_triton,
+)
 from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
 
 MAX_MATVEC_ROWS = 16  # w4_linear uses the GEMV up to this many rows of x
 _REFERENCE_CHUNK = 1 << 22  # dequantised weights per chunk of the references (16 MiB in fp32)
 _MAX_SLOTS = 1 << 12  # split-K ticket counters per device (row blocks x row-of-x blocks)
 _MAX_PARTIALS = 1 << 20  # split-K fp32 partial sums per device (4 MiB)
+PLAIN, GELU_PAIRS, GELU_UP = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # GEMV / GEMM epilogues
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,6 +84,23 @@ def _reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, soft
 def w4_linear_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ W.T -> [M, N] in x.dtype, computed in fp32 (reference of matvec, matmul, linear)."""
     return _reference(x, packed, scales, None, x.dtype)
+
+
+def w4_linear_gelu_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                             up: torch.Tensor | None = None) -> torch.Tensor:
+    """A GELU-gated linear layer, y = x [M, K] @ W.T rounded to x.dtype, then gelu_tanh_mul:
+    without `up`, W's rows alternate gate and up (the MLP's merged gate/up) and the result is
+    [M, N / 2] = gelu(y[:, 0::2]) * y[:, 1::2]; with `up` [M, N], gelu(y) * up."""
+    y = w4_linear_reference(x, packed, scales)
+    return gelu_tanh_mul_reference(y[:, 0::2], y[:, 1::2]) if up is None else gelu_tanh_mul_reference(y, up)
+
+
+def w4_linear_residual_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                                 residual: "ResidualStep") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The residual step of :class:`ResidualStep` on y = x [M, K] @ W.T (rounded to x.dtype):
+    (h_out, x_next), each [M, N]."""
+    y = w4_linear_reference(x, packed, scales)
+    return residual_rms_norm_reference(residual.h, y, residual.weight, residual.scalar, residual.next_weight, residual.eps)
 
 
 def w4_logits_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float | None = 30.0) -> torch.Tensor:
@@ -185,23 +213,37 @@ def _softcap(z, cap):
 
 
 @triton.jit
-def _matvec_epilogue(total, ms, rows, n0, M, N, out_ptr, idx_ptr, stride_om, n_blocks, pid_n, softcap,
-                     SOFTCAP: tl.constexpr, ARGMAX: tl.constexpr):
-    """Finish fp32 sums total [BM, RR, TR] of rows [RR, TR]: optional softcap, then either store
-    them to out [M, N], or (ARGMAX) store the block's max and its first column to out
-    [M, n_blocks] fp32 and idx [M, n_blocks] int32 (rows are n0 + rr * TR + tr)."""
+def _matvec_epilogue(total, ms, rows, n0, M, N, out_ptr, idx_ptr, u_ptr, stride_om, stride_um, n_blocks, pid_n,
+                     softcap, SOFTCAP: tl.constexpr, ARGMAX: tl.constexpr, EPILOGUE: tl.constexpr):
+    """Finish fp32 sums total [BM, RR, TR] of rows [RR, TR] (rows n0 + rr * TR + tr): optional
+    softcap, then per EPILOGUE (see :func:`_matvec_kernel`) store y, GELU-gated row pairs or
+    gelu(y) * U to out, or (ARGMAX) store the block's max and its first column to out [M, n_blocks]
+    fp32 and idx [M, n_blocks] int32."""
     if SOFTCAP:
         total = _softcap(total, softcap)
+    BM: tl.constexpr = total.shape[0]
+    BN: tl.constexpr = total.shape[1] * total.shape[2]
     if ARGMAX:
-        BM: tl.constexpr = total.shape[0]
-        BN: tl.constexpr = total.shape[1] * total.shape[2]
         vals = tl.reshape(tl.where((rows < N)[None, :, :], total, float("-inf")), [BM, BN])
-        ms1 = tl.reshape(ms, [BM])
-        tl.store(out_ptr + ms1 * n_blocks + pid_n, tl.max(vals, axis=1), mask=ms1 < M)
-        tl.store(idx_ptr + ms1 * n_blocks + pid_n, n0 + tl.argmax(vals, axis=1, tie_break_left=True), mask=ms1 < M)
+        tl.store(out_ptr + ms * n_blocks + pid_n, tl.max(vals, axis=1), mask=ms < M)
+        tl.store(idx_ptr + ms * n_blocks + pid_n, n0 + tl.argmax(vals, axis=1, tie_break_left=True), mask=ms < M)
+    elif EPILOGUE == GELU_PAIRS:
+        dt: tl.constexpr = out_ptr.dtype.element_ty
+        y = tl.reshape(total.to(dt).to(tl.float32), [BM, BN // 2, 2])
+        gate, up = tl.split(y)
+        cols, _ = tl.split(tl.reshape(rows, [BN // 2, 2]))
+        cols = cols // 2
+        mask = (ms < M)[:, None] & (cols < N // 2)[None, :]
+        tl.store(out_ptr + ms[:, None] * stride_om + cols[None, :], gelu_tanh_gate(gate, up, dt), mask=mask)
     else:
         mask = (ms < M)[:, None, None] & (rows < N)[None, :, :]
-        tl.store(out_ptr + ms[:, None, None] * stride_om + rows[None, :, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+        if EPILOGUE == GELU_UP:
+            dt: tl.constexpr = out_ptr.dtype.element_ty
+            up = tl.load(u_ptr + ms[:, None, None] * stride_um + rows[None, :, :], mask=mask, other=0.0)
+            y = gelu_tanh_gate(total.to(dt).to(tl.float32), up.to(tl.float32), dt)
+        else:
+            y = total.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + ms[:, None, None] * stride_om + rows[None, :, :], y, mask=mask)
 
 
 @triton.jit
@@ -246,14 +288,22 @@ def _x_loads(x_ptr, x_off, x_ok, g0, g_end, BLOCK_G: tl.constexpr, EVEN: tl.cons
                     and a["G"] % (a["BLOCK_G"] * a["SPLIT_K"]) == 0})
 @triton.jit
 def _matvec_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, idx_ptr, part_ptr, lock_ptr,
-    M, N, G, stride_xm, stride_om, softcap,
+    x_ptr, w_ptr, s_ptr, out_ptr, idx_ptr, part_ptr, lock_ptr, u_ptr, done_ptr,
+    h_ptr, rw_ptr, rs_ptr, rnw_ptr, ho_ptr, xo_ptr,
+    M, N, G, stride_xm, stride_om, stride_um, softcap, eps,
     BLOCK_M: tl.constexpr, RR: tl.constexpr, TR: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr,
-    SOFTCAP: tl.constexpr, ARGMAX: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr,
+    SOFTCAP: tl.constexpr, ARGMAX: tl.constexpr, EPILOGUE: tl.constexpr, RESIDUAL: tl.constexpr,
+    HAS_S: tl.constexpr, HAS_NEXT: tl.constexpr, RES_BLOCK: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out [M, N] = x [M, K] @ W.T for small M; K = 32 * G.
 
     x [M, K] (row stride stride_xm, columns contiguous), W words [N, 4G] int32, scales [N, G].
+    EPILOGUE (see :func:`_matvec_epilogue`): PLAIN stores y = x @ W.T to out [M, N]; GELU_PAIRS
+    (rows of W alternate gate and up) stores gelu_tanh(y[:, 2j]) * y[:, 2j + 1] to out [M, N / 2];
+    GELU_UP stores gelu_tanh(y) * U to out [M, N] (U row stride stride_um). With RESIDUAL, out is
+    y [M, D = N] and the program that stores last (a ticket from done) runs
+    :func:`residual_rms_norm_row` on it: HO = (H + RMSNorm_RW(y)) * RS[0] (HAS_S), XO =
+    RMSNorm_RNW(HO) (HAS_NEXT), H, HO, XO contiguous [M, D], RES_BLOCK >= D.
     Grid: (cdiv(N, RR * TR), SPLIT_K, cdiv(M, BLOCK_M)). Program (n, k, m) owns rows
     n * RR * TR + rr * TR + tr (rr < RR, tr < TR) and the groups [k * S, (k + 1) * S) with
     S = BLOCK_G * cdiv(cdiv(G, SPLIT_K), BLOCK_G). A step covers BLOCK_G groups: each of the
@@ -312,8 +362,11 @@ def _matvec_kernel(
     rows = n0 + rr[:, None] * TR + tl.arange(0, TR)[None, :]
 
     if SPLIT_K == 1:
-        _matvec_epilogue(total, ms, rows, n0, M, N, out_ptr, idx_ptr, stride_om, n_blocks, pid_n,
-                         softcap, SOFTCAP, ARGMAX)
+        _matvec_epilogue(total, ms, rows, n0, M, N, out_ptr, idx_ptr, u_ptr, stride_om, stride_um, n_blocks, pid_n,
+                         softcap, SOFTCAP, ARGMAX, EPILOGUE)
+        if RESIDUAL:
+            _residual_after_last_store(out_ptr, stride_om, done_ptr, M, N, h_ptr, rw_ptr, rs_ptr, rnw_ptr, ho_ptr,
+                                       xo_ptr, eps, HAS_S, HAS_NEXT, RES_BLOCK)
     else:
         slot = pid_m * n_blocks + pid_n
         tile = (tl.arange(0, BLOCK_M)[:, None, None] * (RR * TR) + rr[None, :, None] * TR
@@ -325,16 +378,34 @@ def _matvec_kernel(
             total = tl.zeros([BLOCK_M, RR, TR], dtype=tl.float32)
             for k in tl.static_range(SPLIT_K):
                 total += tl.load(part_ptr + (slot * SPLIT_K + k) * (BLOCK_M * RR * TR) + tile, cache_modifier=".cg")
-            _matvec_epilogue(total, ms, rows, n0, M, N, out_ptr, idx_ptr, stride_om, n_blocks, pid_n,
-                             softcap, SOFTCAP, ARGMAX)
+            _matvec_epilogue(total, ms, rows, n0, M, N, out_ptr, idx_ptr, u_ptr, stride_om, stride_um, n_blocks,
+                             pid_n, softcap, SOFTCAP, ARGMAX, EPILOGUE)
             tl.atomic_xchg(lock_ptr + slot, 0)
+            if RESIDUAL:
+                _residual_after_last_store(out_ptr, stride_om, done_ptr, M, N, h_ptr, rw_ptr, rs_ptr, rnw_ptr, ho_ptr,
+                                           xo_ptr, eps, HAS_S, HAS_NEXT, RES_BLOCK)
+
+
+@triton.jit
+def _residual_after_last_store(out_ptr, stride_om, done_ptr, M, D, h_ptr, rw_ptr, rs_ptr, rnw_ptr, ho_ptr, xo_ptr,
+                               eps, HAS_S: tl.constexpr, HAS_NEXT: tl.constexpr, RES_BLOCK: tl.constexpr):
+    """Run by every program once its rows of out [M, D] are stored: a ticket from done elects the
+    last of the grid's cdiv(N, RR * TR) * cdiv(M, BLOCK_M) storing programs, which runs the
+    residual step of each row of out (see :func:`_matvec_kernel`) and resets the ticket."""
+    tl.debug_barrier()
+    writers = tl.num_programs(0) * tl.num_programs(2)
+    if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == writers - 1:
+        for m in range(M):
+            residual_rms_norm_row(h_ptr + m * D, out_ptr + m * stride_om, rw_ptr, rs_ptr, rnw_ptr, ho_ptr + m * D,
+                                  xo_ptr + m * D, D, eps, HAS_S, HAS_NEXT, RES_BLOCK)
+        tl.atomic_xchg(done_ptr, 0)
 
 
 # (RR, TR, BLOCK_G) per BLOCK_M; num_warps = TR * BLOCK_G / 32. A thread holds RR * BLOCK_M sums.
 # One-warp tiles suit long rows split many ways; the wider ones cover a small matrix in fewer steps.
-_ONE_ROW_TILES = [(8, 2, 16), (4, 4, 8), (4, 4, 16), (2, 8, 16), (2, 4, 32)]
+_ONE_ROW_TILES = [(8, 2, 16), (8, 1, 32), (4, 4, 8), (4, 4, 16), (2, 8, 16), (2, 4, 32)]
 _MATVEC_TILES = {1: _ONE_ROW_TILES, 2: _ONE_ROW_TILES, 4: [(4, 2, 16), (2, 4, 8)]}
-_SPLITS = (1, 2, 3, 4, 6, 8)  # 3 and 6 divide the 48 groups of a 1536-wide row
+_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24)  # 3, 6, 12 and 24 divide 48 (1536-wide rows) and 384 groups
 
 
 def _matvec_configs():
@@ -357,24 +428,28 @@ def _split_fits(n: int, m_blocks: int, block_m: int, block_n: int, split: int) -
 
 
 def _prune_matvec(configs, named_args, **kwargs):
-    """The tilings of BLOCK_M; per tiling the smallest split that launches at least 8 warps per
-    SM (each split at least one step), else the largest that fits."""
+    """Per tiling of BLOCK_M, up to two splits: the smallest that launches at least 8 warps per SM
+    (else the largest that fits), and the smallest that leaves each program a single step, whose
+    weights are then all loaded before the wait for x (see pdl.py). Every split keeps at least one
+    step per program and fits the split-K scratch."""
     n, g, m = named_args["N"], named_args["G"], named_args["M"]
     block_m = kwargs["BLOCK_M"]
     m_blocks = triton.cdiv(m, block_m)
     target = 8 * _sm_count(named_args["x_ptr"].device)
-    chosen = {}
+    by_warps, one_step = {}, {}
     for cfg in configs:
         rr, tr, bg, split = (cfg.kwargs[key] for key in ("RR", "TR", "BLOCK_G", "SPLIT_K"))
-        if (rr, tr, bg) not in _MATVEC_TILES[block_m]:
-            continue
         key = (rr, tr, bg)
-        warps = lambda c: triton.cdiv(n, rr * tr) * m_blocks * c.kwargs["SPLIT_K"] * c.num_warps
-        if key in chosen and warps(chosen[key]) >= target:
+        if key not in _MATVEC_TILES[block_m] or not _split_fits(n, m_blocks, block_m, rr * tr, split):
             continue
-        if (split == 1 or triton.cdiv(g, split) >= bg) and _split_fits(n, m_blocks, block_m, rr * tr, split):
-            chosen[key] = cfg
-    pruned = list(chosen.values())
+        if split > 1 and triton.cdiv(g, split) < bg:
+            continue
+        warps = lambda c: triton.cdiv(n, rr * tr) * m_blocks * c.kwargs["SPLIT_K"] * c.num_warps
+        if key not in by_warps or warps(by_warps[key]) < target:
+            by_warps[key] = cfg
+        if key not in one_step and triton.cdiv(g, split) <= bg:
+            one_step[key] = cfg
+    pruned = list({id(c): c for c in (*by_warps.values(), *one_step.values())}.values())
     return [max(pruned, key=lambda c: c.kwargs["RR"] * c.kwargs["TR"])] if _interpreting() else pruned
 
 
@@ -387,17 +462,18 @@ def _bench(fn, quantiles):
 
 
 _matvec_tuned = triton.autotune(
-    configs=_matvec_configs(), key=["N", "G", "BLOCK_M"], prune_configs_by={"early_config_prune": _prune_matvec},
-    do_bench=_bench,
+    configs=_matvec_configs(), key=["N", "G", "BLOCK_M", "EPILOGUE", "RESIDUAL"],
+    prune_configs_by={"early_config_prune": _prune_matvec}, do_bench=_bench,
 )(_matvec_kernel)
 
 
 @functools.lru_cache(maxsize=None)
 def _split_scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-device split-K ticket counters (zero between launches) and fp32 partials. Split GEMVs
-    of one device must therefore run one at a time (one stream, as in a decode graph); the first
-    call allocates them, so make it before a CUDA graph capture."""
-    return (torch.zeros(_MAX_SLOTS, dtype=torch.int32, device=device),
+    """Per-device split-K ticket counters and the grid ticket of the residual step (last entry),
+    zero between launches, and fp32 partials. GEMVs of one device must therefore run one at a
+    time (one stream, as in a decode graph); the first call allocates them, so make it before a
+    CUDA graph capture."""
+    return (torch.zeros(_MAX_SLOTS + 1, dtype=torch.int32, device=device),
             torch.empty(_MAX_PARTIALS, dtype=torch.float32, device=device))
 
 
@@ -405,7 +481,21 @@ def _matvec_block_m(m: int) -> int:
     return min(triton.next_power_of_2(m), 4)
 
 
-def _launch_matvec(x, packed, scales, out, idx, softcap, argmax, config):
+class ResidualStep(NamedTuple):
+    """The residual step a linear layer's output y [M, D] feeds, as in
+    :func:`qat4.ops.norms.residual_rms_norm_reference`: h_out = (h + RMSNorm_weight(y)) * scalar
+    and x_next = RMSNorm_next_weight(h_out) (None without next_weight)."""
+
+    h: torch.Tensor
+    weight: torch.Tensor
+    scalar: torch.Tensor | None = None
+    next_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
+def _launch_matvec(x, packed, scales, out, *, idx=None, softcap=None, argmax=False, epilogue=PLAIN, up=None,
+                   residual: ResidualStep | None = None, h_out=None, x_next=None, config=None):
+    """One :func:`_matvec_kernel` launch (see its docstring for what each argument feeds)."""
     _check(x, packed, scales)
     if x.shape[0] > MAX_MATVEC_ROWS:
         raise ValueError(f"the GEMV takes at most {MAX_MATVEC_ROWS} rows of x, got {x.shape[0]}; use w4_matmul")
@@ -413,9 +503,18 @@ def _launch_matvec(x, packed, scales, out, idx, softcap, argmax, config):
     (m, _), (n, kw) = x.shape, packed.shape
     locks, partials = _split_scratch(x.device)
     block_m = _matvec_block_m(m)
-    args = (x, packed.contiguous(), scales.contiguous(), out, idx, partials, locks,
-            m, n, kw // 4, x.stride(0), out.stride(0), softcap)
-    flags = dict(BLOCK_M=block_m, SOFTCAP=softcap is not None, ARGMAX=argmax, **pdl_launch(x, m))
+    h = res_weight = res_scalar = res_next = None
+    if residual is not None:
+        h, res_weight, res_scalar, res_next = residual.h.contiguous(), residual.weight, residual.scalar, residual.next_weight
+    pick = lambda *ts: next(t for t in ts if t is not None)  # noqa: E731  (unused pointers: any tensor)
+    args = (x, packed.contiguous(), scales.contiguous(), out, pick(idx, out), partials, locks, pick(up, out),
+            locks[_MAX_SLOTS:], pick(h, out), pick(res_weight, out), pick(res_scalar, out), pick(res_next, out),
+            pick(h_out, out), pick(x_next, out),
+            m, n, kw // 4, x.stride(0), out.stride(0), 0 if up is None else up.stride(0),
+            softcap, 0.0 if residual is None else residual.eps)
+    flags = dict(BLOCK_M=block_m, SOFTCAP=softcap is not None, ARGMAX=argmax, EPILOGUE=int(epilogue),
+                 RESIDUAL=residual is not None, HAS_S=res_scalar is not None, HAS_NEXT=res_next is not None,
+                 RES_BLOCK=triton.next_power_of_2(n) if residual is not None else 1, **pdl_launch(x, m))
     if config is None:
         grid = lambda meta: (triton.cdiv(n, meta["RR"] * meta["TR"]), meta["SPLIT_K"], triton.cdiv(m, block_m))
         _matvec_tuned[grid](*args, **flags)
@@ -438,8 +537,38 @@ def w4_matvec(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out: 
     """
     if out is None:
         out = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype, device=x.device)
-    _launch_matvec(x, packed, scales, out, out, None, False, config)
+    _launch_matvec(x, packed, scales, out, config=config)
     return out
+
+
+def w4_matvec_gelu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, up: torch.Tensor | None = None,
+                   *, config: dict | None = None) -> torch.Tensor:
+    """Triton :func:`w4_linear_gelu_reference` for M <= 16: the gate applied in the GEMV's epilogue."""
+    n = packed.shape[0]
+    if up is None and (n % 2 or (config and config["RR"] * config["TR"] % 2)):
+        raise ValueError(f"GELU row pairs need an even row count per matrix and per tile, got N={n}, {config}")
+    out = torch.empty(x.shape[0], n if up is not None else n // 2, dtype=x.dtype, device=x.device)
+    _launch_matvec(x, packed, scales, out, epilogue=GELU_PAIRS if up is None else GELU_UP, up=_unit_columns(up),
+                   config=config)
+    return out
+
+
+def w4_matvec_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, residual: ResidualStep,
+                       *, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton :func:`w4_linear_residual_reference` for M <= 16: the program that stores the GEMV's
+    last rows runs the residual step, so y never leaves for another launch."""
+    m, d = x.shape[0], packed.shape[0]
+    if tuple(residual.h.shape) != (m, d):
+        raise ValueError(f"the residual stream must be [{m}, {d}], got {tuple(residual.h.shape)}")
+    y = torch.empty(m, d, dtype=x.dtype, device=x.device)
+    h_out = torch.empty_like(y)
+    x_next = None if residual.next_weight is None else torch.empty_like(y)
+    _launch_matvec(x, packed, scales, y, residual=residual, h_out=h_out, x_next=x_next, config=config)
+    return h_out, x_next
+
+
+def _unit_columns(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -476,7 +605,8 @@ def w4_logits_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
                      *, config: dict | None = None) -> torch.Tensor:
     """Triton :func:`w4_logits_reference`: the GEMV with the softcap in its epilogue (M <= 16)."""
     out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32, device=x.device)
-    _launch_matvec(x, packed, scales, out, out, None if softcap is None else float(softcap), False, config or _output_config(x.shape[0]))
+    _launch_matvec(x, packed, scales, out, softcap=None if softcap is None else float(softcap),
+                   config=config or _output_config(x.shape[0]))
     return out
 
 
@@ -490,7 +620,8 @@ def w4_argmax_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     n_blocks = triton.cdiv(packed.shape[0], config["RR"] * config["TR"])
     pmax = torch.empty(m, n_blocks, dtype=torch.float32, device=x.device)
     pidx = torch.empty(m, n_blocks, dtype=torch.int32, device=x.device)
-    _launch_matvec(x, packed, scales, pmax, pidx, None if softcap is None else float(softcap), True, config)
+    _launch_matvec(x, packed, scales, pmax, idx=pidx, softcap=None if softcap is None else float(softcap), argmax=True,
+                   config=config)
     out = torch.empty(m, dtype=torch.int64, device=x.device)
     block = min(16384, triton.next_power_of_2(n_blocks))
     _argmax_reduce_kernel[(m,)](pmax, pidx, out, n_blocks, BLOCK=block, num_warps=16 if block >= 8192 else 4,
@@ -504,13 +635,15 @@ def w4_argmax_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
 
 @triton.jit
 def _matmul_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, M, N, G, stride_xm, stride_om, M_BIN,
+    x_ptr, w_ptr, s_ptr, out_ptr, u_ptr, M, N, G, stride_xm, stride_om, stride_um, M_BIN,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, EPILOGUE: tl.constexpr,
 ):
     """out [M, N] = x [M, K] @ W.T for large M; K = 32 * G.
 
     x [M, K] (row stride stride_xm, columns contiguous), W words [N, 4G], scales [N, G].
+    EPILOGUE as in :func:`_matvec_kernel`: PLAIN, GELU_PAIRS (out [M, N / 2]) or GELU_UP (U [M, N],
+    row stride stride_um).
     Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),), tiles ordered in bands of GROUP_M row blocks for
     L2 reuse. Per step of BLOCK_G groups the [BLOCK_N, 32 * BLOCK_G] weight tile is unpacked and
     scaled in registers and fed to tl.dot: in x.dtype (bf16 / fp16 tensor cores), or with
@@ -544,8 +677,20 @@ def _matmul_kernel(
             acc = tl.dot(xt.to(tl.float32), w, acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, w.to(xt.dtype), acc)
-    mask = (rm < M)[:, None] & (rn < N)[None, :]
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    dt: tl.constexpr = out_ptr.dtype.element_ty
+    if EPILOGUE == GELU_PAIRS:
+        gate, up = tl.split(tl.reshape(acc.to(dt).to(tl.float32), [BLOCK_M, BLOCK_N // 2, 2]))
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        mask = (rm < M)[:, None] & (cols < N // 2)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_om + cols[None, :], gelu_tanh_gate(gate, up, dt), mask=mask)
+    else:
+        mask = (rm < M)[:, None] & (rn < N)[None, :]
+        if EPILOGUE == GELU_UP:
+            up = tl.load(u_ptr + rm[:, None] * stride_um + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = gelu_tanh_gate(acc.to(dt).to(tl.float32), up, dt)
+        else:
+            y = acc.to(dt)
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y, mask=mask)
 
 
 def _matmul_configs():
@@ -568,7 +713,7 @@ def _prune_matmul(configs, named_args, **kwargs):
 
 
 _matmul_tuned = triton.autotune(
-    configs=_matmul_configs(), key=["M_BIN", "N", "G", "DOT_F32"], prune_configs_by={"early_config_prune": _prune_matmul},
+    configs=_matmul_configs(), key=["M_BIN", "N", "G", "DOT_F32", "EPILOGUE"], prune_configs_by={"early_config_prune": _prune_matmul},
     do_bench=_bench,
 )(_matmul_kernel)
 
@@ -595,27 +740,30 @@ def prefill_uses_fp32(x: torch.Tensor, fp32: bool | None = None) -> bool:
 
 
 def w4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fp32: bool | None = None,
-              *, config: dict | None = None) -> torch.Tensor:
+              *, gelu: bool = False, up: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """Prefill GEMM: x [M, K] @ W.T -> [M, N] in x.dtype, fp32 accumulation.
 
-    Tensor cores in x.dtype (bf16/fp16) unless :func:`prefill_uses_fp32`. `config` pins
-    BLOCK_M, BLOCK_N, BLOCK_G (and num_warps, num_stages) instead of autotuning.
-    Launch: :func:`_matmul_kernel`.
+    Tensor cores in x.dtype (bf16/fp16) unless :func:`prefill_uses_fp32`. With `gelu`, the
+    GELU gate of :func:`w4_linear_gelu_reference` runs in the epilogue (rows of W as gate/up pairs,
+    or times `up` [M, N] when given). `config` pins BLOCK_M, BLOCK_N, BLOCK_G (and num_warps,
+    num_stages) instead of autotuning. Launch: :func:`_matmul_kernel`.
     """
     _check(x, packed, scales)
     x = x if x.stride(1) == 1 else x.contiguous()
+    up = _unit_columns(up)
     (m, _), (n, kw) = x.shape, packed.shape
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    args = (x, packed.contiguous(), scales.contiguous(), out, m, n, kw // 4, x.stride(0), out.stride(0),
-            min(triton.next_power_of_2(m), 256))
-    dot_f32 = prefill_uses_fp32(x, fp32)
+    epilogue = PLAIN if not gelu else GELU_PAIRS if up is None else GELU_UP
+    out = torch.empty(m, n // 2 if epilogue == GELU_PAIRS else n, dtype=x.dtype, device=x.device)
+    args = (x, packed.contiguous(), scales.contiguous(), out, out if up is None else up, m, n, kw // 4,
+            x.stride(0), out.stride(0), 0 if up is None else up.stride(0), min(triton.next_power_of_2(m), 256))
+    flags = dict(DOT_F32=prefill_uses_fp32(x, fp32), EPILOGUE=int(epilogue))
     if config is None:
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-        _matmul_tuned[grid](*args, DOT_F32=dot_f32)
+        _matmul_tuned[grid](*args, **flags)
     else:
         tiling = {key: config[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_G")}
         grid = (triton.cdiv(m, tiling["BLOCK_M"]) * triton.cdiv(n, tiling["BLOCK_N"]),)
-        _matmul_kernel[grid](*args, **tiling, GROUP_M=8, DOT_F32=dot_f32,
+        _matmul_kernel[grid](*args, **tiling, GROUP_M=8, **flags,
                              num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2))
     return out
 
@@ -635,6 +783,29 @@ def w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> to
     else:
         out = w4_matmul(x2, packed, scales)
     return out.reshape(*x.shape[:-1], packed.shape[0])
+
+
+def w4_linear_gelu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                   up: torch.Tensor | None = None) -> torch.Tensor:
+    """GELU-gated linear layer on x [T, K] (see :func:`w4_linear_gelu_reference`): the gate runs in
+    the epilogue of the GEMV (T <= 16) or the GEMM, or the reference when use_triton says so."""
+    if not use_triton(x):
+        return w4_linear_gelu_reference(x, packed, scales, up)
+    if x.shape[0] <= MAX_MATVEC_ROWS:
+        return w4_matvec_gelu(x, packed, scales, up)
+    return w4_matmul(x, packed, scales, gelu=True, up=up)
+
+
+def w4_linear_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                       residual: ResidualStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear layer on x [T, K] feeding a residual step (see :func:`w4_linear_residual_reference`):
+    fused into the GEMV for T <= 16; the GEMM then :func:`residual_rms_norm_triton` for more rows."""
+    if not use_triton(x):
+        return w4_linear_residual_reference(x, packed, scales, residual)
+    if x.shape[0] <= MAX_MATVEC_ROWS:
+        return w4_matvec_residual(x, packed, scales, residual)
+    y = w4_matmul(x, packed, scales)
+    return residual_rms_norm_triton(residual.h, y, residual.weight, residual.scalar, residual.next_weight, residual.eps)
 
 
 def _in_row_chunks(fn, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float) -> torch.Tensor:

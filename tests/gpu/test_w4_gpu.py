@@ -111,3 +111,41 @@ def test_split_k_is_deterministic_and_graph_safe():
         out.zero_()
         graph.replay()
         assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,per_layer", [(12288, 1536, False), (24576, 1536, False), (256, 1536, True)])
+def test_gelu_epilogue_at_e2b_shapes(n, k, per_layer, dtype):
+    """The MLP's alternating gate/up rows and the per-layer gate times a strided slice of the
+    per-layer inputs [T, 35, 256], as GEMV (1 and 3 rows) and GEMM (300 rows) epilogues."""
+    packed, scales = random_weight(n, k, dtype)
+    for m in (1, 3, 300):
+        x = torch.randn(m, k, device="cuda", dtype=dtype) * 4
+        up = torch.randn(m, 35, n, device="cuda", dtype=dtype)[:, 7] if per_layer else None
+        out = wl.w4_linear_gelu(x, packed, scales, up)
+        tol = (OUT_TOL if m <= wl.MAX_MATVEC_ROWS else MATMUL_TOL)[dtype]
+        assert rel_err(out, wl.w4_linear_gelu_reference(x, packed, scales, up)) < tol, (m, n, k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(1536, 2048), (1536, 4096), (1536, 6144), (1536, 12288), (1536, 256)])
+def test_residual_epilogue_at_e2b_shapes(n, k, dtype):
+    """o_proj, down and the per-layer projection feeding the residual step, with and without the
+    layer scalar and next input norm; graph replays agree with eager launches bit for bit."""
+    packed, scales = random_weight(n, k, dtype)
+    vec = lambda *shape: torch.randn(*shape, device="cuda", dtype=dtype)  # noqa: E731
+    for m in (1, 3):
+        x = vec(m, k)
+        for step in (wl.ResidualStep(vec(m, n), vec(n)), wl.ResidualStep(vec(m, n), vec(n), vec(1), vec(n))):
+            h_out, x_next = wl.w4_linear_residual(x, packed, scales, step)
+            want_h, want_x = wl.w4_linear_residual_reference(x, packed, scales, step)
+            assert rel_err(h_out, want_h) < OUT_TOL[dtype], (m, n, k)
+            assert (x_next is None) == (want_x is None)
+            assert x_next is None or rel_err(x_next, want_x) < 2 * OUT_TOL[dtype]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, _ = wl.w4_linear_residual(x, packed, scales, step)
+    for _ in range(5):
+        captured.zero_()
+        graph.replay()
+        assert torch.equal(captured, wl.w4_linear_residual(x, packed, scales, step)[0])
