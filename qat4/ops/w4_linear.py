@@ -29,8 +29,7 @@ The next step's loads are issued before the current step's arithmetic. With SPLI
 program stores an fp32 partial and the last one of a row block (a ticket counter per block) adds
 them in split order and runs the epilogue: no extra launch, deterministic. Tiling and split are
 autotuned per (N, K, BLOCK_M, epilogue) over a small space: per tiling, the smallest split that
-launches 8 warps per SM and the smallest that leaves each program one step (its weights all
-loaded before the wait for x under programmatic dependent launch).
+launches 8 warps per SM.
 """
 
 import functools
@@ -405,7 +404,7 @@ def _residual_after_last_store(out_ptr, stride_om, done_ptr, M, D, h_ptr, rw_ptr
 # One-warp tiles suit long rows split many ways; the wider ones cover a small matrix in fewer steps.
 _ONE_ROW_TILES = [(8, 2, 16), (8, 1, 32), (4, 4, 8), (4, 4, 16), (2, 8, 16), (2, 4, 32)]
 _MATVEC_TILES = {1: _ONE_ROW_TILES, 2: _ONE_ROW_TILES, 4: [(4, 2, 16), (2, 4, 8)]}
-_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24)  # 3, 6, 12 and 24 divide 48 (1536-wide rows) and 384 groups
+_SPLITS = (1, 2, 3, 4, 6, 8, 12)  # 3, 6 and 12 divide the 48 groups of a 1536-wide row and the 384 of down
 
 
 def _matvec_configs():
@@ -428,28 +427,24 @@ def _split_fits(n: int, m_blocks: int, block_m: int, block_n: int, split: int) -
 
 
 def _prune_matvec(configs, named_args, **kwargs):
-    """Per tiling of BLOCK_M, up to two splits: the smallest that launches at least 8 warps per SM
-    (else the largest that fits), and the smallest that leaves each program a single step, whose
-    weights are then all loaded before the wait for x (see pdl.py). Every split keeps at least one
-    step per program and fits the split-K scratch."""
+    """The tilings of BLOCK_M; per tiling the smallest split that launches at least 8 warps per
+    SM (each split at least one step), else the largest that fits."""
     n, g, m = named_args["N"], named_args["G"], named_args["M"]
     block_m = kwargs["BLOCK_M"]
     m_blocks = triton.cdiv(m, block_m)
     target = 8 * _sm_count(named_args["x_ptr"].device)
-    by_warps, one_step = {}, {}
+    chosen = {}
     for cfg in configs:
         rr, tr, bg, split = (cfg.kwargs[key] for key in ("RR", "TR", "BLOCK_G", "SPLIT_K"))
+        if (rr, tr, bg) not in _MATVEC_TILES[block_m]:
+            continue
         key = (rr, tr, bg)
-        if key not in _MATVEC_TILES[block_m] or not _split_fits(n, m_blocks, block_m, rr * tr, split):
-            continue
-        if split > 1 and triton.cdiv(g, split) < bg:
-            continue
         warps = lambda c: triton.cdiv(n, rr * tr) * m_blocks * c.kwargs["SPLIT_K"] * c.num_warps
-        if key not in by_warps or warps(by_warps[key]) < target:
-            by_warps[key] = cfg
-        if key not in one_step and triton.cdiv(g, split) <= bg:
-            one_step[key] = cfg
-    pruned = list({id(c): c for c in (*by_warps.values(), *one_step.values())}.values())
+        if key in chosen and warps(chosen[key]) >= target:
+            continue
+        if (split == 1 or triton.cdiv(g, split) >= bg) and _split_fits(n, m_blocks, block_m, rr * tr, split):
+            chosen[key] = cfg
+    pruned = list(chosen.values())
     return [max(pruned, key=lambda c: c.kwargs["RR"] * c.kwargs["TR"])] if _interpreting() else pruned
 
 
