@@ -498,17 +498,14 @@ def _launch_matvec(x, packed, scales, out, *, idx=None, softcap=None, argmax=Fal
     (m, _), (n, kw) = x.shape, packed.shape
     locks, partials = _split_scratch(x.device)
     block_m = _matvec_block_m(m)
-    h = res_weight = res_scalar = res_next = None
-    if residual is not None:
-        h, res_weight, res_scalar, res_next = residual.h.contiguous(), residual.weight, residual.scalar, residual.next_weight
-    pick = lambda *ts: next(t for t in ts if t is not None)  # noqa: E731  (unused pointers: any tensor)
-    args = (x, packed.contiguous(), scales.contiguous(), out, pick(idx, out), partials, locks, pick(up, out),
-            locks[_MAX_SLOTS:], pick(h, out), pick(res_weight, out), pick(res_scalar, out), pick(res_next, out),
-            pick(h_out, out), pick(x_next, out),
-            m, n, kw // 4, x.stride(0), out.stride(0), 0 if up is None else up.stride(0),
-            softcap, 0.0 if residual is None else residual.eps)
+    step = residual or ResidualStep(None, None)
+    given = lambda t: out if t is None else t  # noqa: E731  (a pointer the kernel's flags leave unread)
+    args = (x, packed.contiguous(), scales.contiguous(), out, given(idx), partials, locks, given(up),
+            locks[_MAX_SLOTS:], given(step.h if step.h is None else step.h.contiguous()), given(step.weight),
+            given(step.scalar), given(step.next_weight), given(h_out), given(x_next),
+            m, n, kw // 4, x.stride(0), out.stride(0), 0 if up is None else up.stride(0), softcap, step.eps)
     flags = dict(BLOCK_M=block_m, SOFTCAP=softcap is not None, ARGMAX=argmax, EPILOGUE=int(epilogue),
-                 RESIDUAL=residual is not None, HAS_S=res_scalar is not None, HAS_NEXT=res_next is not None,
+                 RESIDUAL=residual is not None, HAS_S=step.scalar is not None, HAS_NEXT=step.next_weight is not None,
                  RES_BLOCK=triton.next_power_of_2(n) if residual is not None else 1, **pdl_launch(x, m))
     if config is None:
         grid = lambda meta: (triton.cdiv(n, meta["RR"] * meta["TR"]), meta["SPLIT_K"], triton.cdiv(m, block_m))
