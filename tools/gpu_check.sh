@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install the wheels it lacks (carried in .whl/), run the GPU tests,
-# the kernel micro-benchmarks and `qat4 bench`, and leave every log under $OUT (default ./out).
-#   usage: tools/gpu_check.sh [tests|kernels|bench|all]...   (default: all)
+# the kernel micro-benchmarks, the decode-step profile and `qat4 bench`, and leave every log under
+# $OUT (default ./out). Compiled kernels are kept between machines: a TRITON_CACHE tarball
+# (default out/triton_cache.tgz) is unpacked first and written back to $OUT at the end.
+#   usage: tools/gpu_check.sh [tests|kernels|profile|bench|all]...   (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -12,6 +14,10 @@ if [ -d .whl ]; then
 else
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
+CACHE_TGZ=${TRITON_CACHE:-out/triton_cache.tgz}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/qat4_triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f "$CACHE_TGZ" ] && tar xzf "$CACHE_TGZ" -C "$TRITON_CACHE_DIR"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
@@ -26,9 +32,14 @@ if want kernels; then
     timeout 120 python3 tools/bench_w4.py 2>&1 | tee "$OUT/bench_w4.log" | tail -30
     timeout 90 python3 tools/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" | tail -20
 fi
+if want profile; then
+    timeout 150 python3 tools/profile_step.py --depth 512 2>&1 | tee "$OUT/profile_step.log" | head -40
+    timeout 150 python3 tools/decode_spread.py --draws 3 2>&1 | tee "$OUT/decode_spread.log" | grep draw
+fi
 if want bench; then
     timeout 240 python3 -m qat4.cli bench --model synthetic:e2b --depths 0,4096,32768,131072 --new 128 --prompt 4096 \
         --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -20
     timeout 150 python3 -m qat4.cli bench --model synthetic:e2b --depths 131072 --new 64 --prompt 4096 --memory-cap-mib 3732 \
         --json "$OUT/bench_cap.json" 2>&1 | tee "$OUT/bench_cap.log" | tail -8
 fi
+tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" .
