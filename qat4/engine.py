@@ -5,7 +5,8 @@ estimated working memory fits beside the model and cache; 256 on the CPU); each 
 runs one decode step (embedding -> layers -> output layer -> greedy argmax or sampling) over static
 device buffers.
 On CUDA that step is captured once as a CUDA graph per sampling shape and replayed per token; the
-host enqueues step n+1 before it reads token n back, so the GPU never waits for Python.
+host enqueues step n+1 before it reads token n back, so the GPU never waits for Python. Decode GEMV
+tilings saved for this GPU by :meth:`Engine.tune_decode` (``qat4 bench --tune``) are pinned at load.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import torch
 
 from qat4.cache import KVCache
 from qat4.checkpoint.packed_model import PackedModel
+from qat4.decode_tuning import load_tilings, save_tilings, tune_decode_tilings
 from qat4.checkpoint.packing import PackedTensor
 from qat4.errors import Qat4Error
 from qat4.model import Gemma4
+from qat4.ops.w4_linear import pin_matvec_tilings
 from qat4.sampling import SamplingParams, sample
 
 DEFAULT_STOP_IDS = (1, 106, 50)  # <eos>, <turn|>, <|tool_response>
@@ -210,6 +213,7 @@ class Engine:
             engine = cls(model, cache, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, tokenizer=tokenizer,
                          generation_config=packed.generation_config)
             if device.type == "cuda":
+                pin_matvec_tilings(load_tilings(device, dtype))
                 engine._reserve_workspace()
         except torch.cuda.OutOfMemoryError:
             raise Qat4Error(
@@ -228,6 +232,19 @@ class Engine:
         self.step.prepare(GREEDY)
         torch.cuda.synchronize(self.device)
         self.cache.reset()
+
+    @torch.no_grad()
+    def tune_decode(self, replays: int = 50) -> tuple[float, float, Path]:
+        """Choose every decode GEMV's tiling by the greedy step's graph-replay time
+        (:mod:`qat4.decode_tuning`), pin them and save them for this GPU, where later loads pick
+        them up. Returns (µs per step before, after, the file). CUDA graphs only; forgets the sequence."""
+        if not self.step.use_graph:
+            raise Qat4Error("decode tuning times CUDA-graph replays; it needs a CUDA device with cuda_graph on")
+        tilings, before, after = tune_decode_tilings(self.step, GREEDY, replays)
+        self.step.graphs.clear()
+        self.step.prepare(GREEDY)
+        self.cache.reset()
+        return before, after, save_tilings(tilings, self.device, self.dtype)
 
     @property
     def nbytes(self) -> dict[str, int]:

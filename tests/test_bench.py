@@ -46,6 +46,7 @@ def test_bench_command_on_the_cpu(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--depths", "0,x"], "--depths must be comma-separated integers"),
     (["--model", "synthetic:huge"], "unknown synthetic preset"),
+    (["--tune"], "--tune times CUDA-graph replays; it needs --device cuda"),
 ])
 def test_bench_bad_arguments_are_one_line(args, message):
     base = ["bench", "--model", "synthetic:tiny", "--device", "cpu"]

@@ -181,6 +181,33 @@ def test_kernel_matvec(m, n, k, x_dtype, scale_dtype, config):
 
 
 @kernel_test
+def test_kernel_matvec_pinned_tiling_replaces_the_autotuners(monkeypatch):
+    """A launch records the autotuner's pick per shape; a pinned tiling is launched instead."""
+    monkeypatch.setattr(wl, "_pinned_tilings", {})
+    monkeypatch.setattr(wl, "_tuned_tilings", {})
+    x, packed, scales = kernel_inputs(1, 40, 512, torch.float32, torch.float16)
+    want = wl.w4_linear_reference(x, packed, scales)
+    assert rel_err(wl.w4_matvec(x, packed, scales), want) < OUT_TOL[torch.float32]
+    (key, picked), = wl.matvec_tilings().items()
+    assert key == (40, 16, 1, 0, False, "float32")
+    assert picked in wl.matvec_tiling_candidates(key, x.device)
+    pinned = dict(SPLIT_3, RR=4, TR=16)
+    launched = []
+    real = wl._matvec_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(wl, "_matvec_kernel", Spy())
+    wl.pin_matvec_tilings({key: pinned})
+    assert wl.matvec_tilings()[key] == pinned
+    assert rel_err(wl.w4_matvec(x, packed, scales), want) < OUT_TOL[torch.float32]
+    assert launched == [(1, 3, 1)]  # 40 rows in one block of 64, three splits
+
+
+@kernel_test
 def test_kernel_matvec_writes_into_out_and_split_k_is_deterministic():
     x, packed, scales = kernel_inputs(2, 24, 512, torch.float32, torch.float16)
     out = torch.full((2, 24), float("nan"), device=KERNEL_DEVICE)

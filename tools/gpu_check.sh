@@ -37,6 +37,9 @@ if want profile; then
     timeout 150 python3 tools/decode_spread.py --draws 3 2>&1 | tee "$OUT/decode_spread.log" | grep draw
 fi
 if want bench; then
+    export QAT4_TILINGS=$OUT/decode_tilings.json   # tuned here, picked up by the runs below
+    timeout 200 python3 -m qat4.cli bench --model synthetic:e2b --depths 0 --new 128 --prompt 512 --tune \
+        2>&1 | tee "$OUT/bench_tune.log" | tail -8
     timeout 240 python3 -m qat4.cli bench --model synthetic:e2b --depths 0,4096,32768,131072 --new 128 --prompt 4096 \
         --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -20
     timeout 150 python3 -m qat4.cli bench --model synthetic:e2b --depths 131072 --new 64 --prompt 4096 --memory-cap-mib 3732 \

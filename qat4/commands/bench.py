@@ -31,6 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot decode tok/s against depth with the roofline")
     p.add_argument("--peers", choices=["hf"], help="also run transformers' Gemma 4 (bf16, same weights) and print the ratios")
+    p.add_argument("--tune", action="store_true",
+                   help="first choose each decode GEMV's tiling by the whole step's replay time and save it for this GPU")
     p.set_defaults(run=run)
 
 
@@ -87,6 +89,12 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine.from_packed(packed, device, max_ctx=max_ctx, prefill_chunk=args.prefill_chunk,
                                 memory_cap_mib=args.memory_cap_mib)
     bench.progress(f"engine ready in {time.perf_counter() - t0:.1f} s")
+    if args.tune:
+        if device.type != "cuda":
+            raise Qat4Error("--tune times CUDA-graph replays; it needs --device cuda")
+        bench.progress("tuning decode tilings (a whole-step replay per candidate)")
+        before, after, path = engine.tune_decode()
+        bench.progress(f"decode step {before:,.0f} -> {after:,.0f} µs with the tuned tilings, saved to {path}")
     report = bench.run(engine, args.model, depths, args.new, min(args.prompt, max_ctx),
                        memory_cap_mib=args.memory_cap_mib, log=bench.progress)
     if args.peers == "hf":

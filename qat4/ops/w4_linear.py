@@ -488,9 +488,37 @@ class ResidualStep(NamedTuple):
     eps: float = 1e-6
 
 
+_TILING_KEYS = ("RR", "TR", "BLOCK_G", "SPLIT_K")
+_pinned_tilings: dict[tuple, dict] = {}  # GEMV shape key -> tiling used instead of the autotuner's
+_tuned_tilings: dict[tuple, dict] = {}  # GEMV shape key -> the autotuner's pick, as launched
+
+
+def matvec_tilings() -> dict[tuple, dict]:
+    """The tiling each GEMV shape launched so far runs with: the pinned one, else the autotuner's
+    pick. Keys are (N, K / 32, BLOCK_M, epilogue, residual, x dtype name); values map RR, TR,
+    BLOCK_G and SPLIT_K to ints."""
+    return {**_tuned_tilings, **_pinned_tilings}
+
+
+def pin_matvec_tilings(tilings: dict[tuple, dict]) -> None:
+    """Launch these GEMV shapes with these tilings from now on (keys as :func:`matvec_tilings`),
+    instead of the autotuner's picks; shapes not listed are unpinned."""
+    _pinned_tilings.clear()
+    _pinned_tilings.update({key: {k: int(tiling[k]) for k in _TILING_KEYS} for key, tiling in tilings.items()})
+
+
+def matvec_tiling_candidates(key: tuple, device: torch.device) -> list[dict]:
+    """The tilings the autotuner would time for a GEMV shape key on `device`."""
+    n, g, block_m = key[:3]
+    pruned = _prune_matvec(_matvec_tuned.configs, {"N": n, "G": g, "M": block_m, "x_ptr": torch.empty(0, device=device)},
+                           BLOCK_M=block_m)
+    return [{k: c.kwargs[k] for k in _TILING_KEYS} for c in pruned]
+
+
 def _launch_matvec(x, packed, scales, out, *, idx=None, softcap=None, argmax=False, epilogue=PLAIN, up=None,
                    residual: ResidualStep | None = None, h_out=None, x_next=None, config=None):
-    """One :func:`_matvec_kernel` launch (see its docstring for what each argument feeds)."""
+    """One :func:`_matvec_kernel` launch (see its docstring for what each argument feeds). Without
+    `config`, a pinned tiling (:func:`pin_matvec_tilings`) or else the autotuner's."""
     _check(x, packed, scales)
     if x.shape[0] > MAX_MATVEC_ROWS:
         raise ValueError(f"the GEMV takes at most {MAX_MATVEC_ROWS} rows of x, got {x.shape[0]}; use w4_matmul")
@@ -498,6 +526,8 @@ def _launch_matvec(x, packed, scales, out, *, idx=None, softcap=None, argmax=Fal
     (m, _), (n, kw) = x.shape, packed.shape
     locks, partials = _split_scratch(x.device)
     block_m = _matvec_block_m(m)
+    shape_key = (n, kw // 4, block_m, int(epilogue), residual is not None, str(x.dtype).removeprefix("torch."))
+    config = config or _pinned_tilings.get(shape_key)
     step = residual or ResidualStep(None, None)
     given = lambda t: out if t is None else t  # noqa: E731  (a pointer the kernel's flags leave unread)
     args = (x, packed.contiguous(), scales.contiguous(), out, given(idx), partials, locks, given(up),
@@ -510,8 +540,11 @@ def _launch_matvec(x, packed, scales, out, *, idx=None, softcap=None, argmax=Fal
     if config is None:
         grid = lambda meta: (triton.cdiv(n, meta["RR"] * meta["TR"]), meta["SPLIT_K"], triton.cdiv(m, block_m))
         _matvec_tuned[grid](*args, **flags)
+        picked = getattr(_matvec_tuned, "best_config", None)
+        if picked is not None:
+            _tuned_tilings[shape_key] = {k: picked.kwargs[k] for k in _TILING_KEYS}
     else:
-        tiling = {key: config[key] for key in ("RR", "TR", "BLOCK_G", "SPLIT_K")}
+        tiling = {key: config[key] for key in _TILING_KEYS}
         block_n = tiling["RR"] * tiling["TR"]
         if not _split_fits(n, triton.cdiv(m, block_m), block_m, block_n, tiling["SPLIT_K"]):
             raise ValueError(f"split-K scratch too small for {config} at N={n}")

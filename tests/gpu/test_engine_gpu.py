@@ -182,3 +182,28 @@ def test_memory_cap_131k_context():
     stats = json.loads(run.stdout.split("STATS ", 1)[1])
     assert stats["max_ctx"] == 131072 and stats["new"] == 64
     assert stats["peak_mib"] <= 3732
+
+
+def test_decode_tuning_saves_tilings_that_the_next_load_pins(tmp_path, monkeypatch):
+    """`tune_decode` on a tiny model: the step is never slower than with the autotuner's picks, the
+    table is saved for this GPU, a fresh load pins it, and the engine still decodes."""
+    from qat4.checkpoint.synth import write_synthetic
+    from qat4.config import TINY
+    from qat4.decode_tuning import load_tilings
+    from qat4.ops import w4_linear
+
+    monkeypatch.setenv("QAT4_TILINGS", str(tmp_path / "tilings.json"))
+    folder = write_synthetic(tmp_path / "ckpt", TINY, "ct-emb4", seed=1)
+    try:
+        engine = Engine.load(folder, "cuda", max_ctx=512)
+        before, after, path = engine.tune_decode(replays=10)
+        assert path == tmp_path / "tilings.json" and 0 < after <= before
+        saved = load_tilings(engine.device, engine.dtype)
+        assert saved and saved == {key: w4_linear.matvec_tilings()[key] for key in saved}
+        w4_linear.pin_matvec_tilings({})
+        again = Engine.load(folder, "cuda", max_ctx=512)
+        now = w4_linear.matvec_tilings()
+        assert all(now[key] == tiling for key, tiling in saved.items())
+        assert len(again.generate([2, 5, 6], max_new_tokens=8, temperature=0, stop_token_ids=[]).tokens) == 8
+    finally:
+        w4_linear.pin_matvec_tilings({})

@@ -1,0 +1,123 @@
+"""Decode GEMV tilings chosen by the time of the whole captured decode step, kept per GPU.
+
+The GEMV autotuner times each tiling of a shape alone (L2 flushed, nothing before it to overlap
+with). In a decode step some 200 GEMVs run chained under programmatic dependent launch, and those
+isolated timings do not rank tilings for it: on an H200 the same code decodes in 1,595 to 1,758 µs
+per step depending on the picks (BENCHMARKS.md). :func:`tune_decode_tilings` starts from the
+autotuner's picks and, shape by shape (the most weight bytes first), tries each candidate tiling by
+capturing the step anew and timing its graph replays; a candidate replaces the current tiling only
+when the step gets faster by more than ``margin``. The winners are pinned
+(:func:`qat4.ops.w4_linear.pin_matvec_tilings`) and can be saved per GPU, dtype and Triton version
+(:func:`save_tilings`) and pinned again at the next load (:func:`load_tilings`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+import triton
+
+from qat4.ops import w4_linear
+
+Tilings = dict[tuple, dict]
+
+
+def descend(start: Tilings, candidates: dict[tuple, list[dict]], measure: Callable[[Tilings], float],
+            margin: float = 0.01) -> tuple[Tilings, float, float]:
+    """Coordinate descent: for each key of `candidates` in order, try each of its tilings in place of
+    the current one; keep it when ``measure`` (lower is better) drops below (1 - margin) x the best so
+    far. Returns (best tilings, their measure, the start's measure)."""
+    best, best_value = dict(start), measure(start)
+    start_value = best_value
+    for key, options in candidates.items():
+        for tiling in options:
+            if tiling == best[key]:
+                continue
+            trial = {**best, key: tiling}
+            value = measure(trial)
+            if value < best_value * (1 - margin):
+                best, best_value = trial, value
+    return best, best_value, start_value
+
+
+def step_time_us(step, key: object, replays: int) -> float:
+    """Capture `step`'s graph for `key` anew with the tilings pinned now and return µs per replay
+    (best of three runs of `replays`). Scribbles on the KV cache, like any capture."""
+    step.graphs.pop(key, None)
+    step.prepare(key)
+    for _ in range(10):
+        step.run(key)
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            step.run(key)
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / replays)
+    return best
+
+
+def tune_decode_tilings(step, key: object, replays: int = 50, margin: float = 0.01) -> tuple[Tilings, float, float]:
+    """Pick every decode GEMV's tiling by whole-step replay time (module docstring) and pin them.
+
+    Returns (tilings, µs per step with the autotuner's picks, µs per step with the tilings found).
+    """
+    step.prepare(key)  # every GEMV shape of the step launched (and autotuned) at least once
+    start = w4_linear.matvec_tilings()
+    device = step.model.device
+    by_bytes = sorted(start, key=lambda shape: shape[0] * shape[1], reverse=True)
+    candidates = {shape: w4_linear.matvec_tiling_candidates(shape, device) for shape in by_bytes}
+
+    def measure(tilings: Tilings) -> float:
+        w4_linear.pin_matvec_tilings(tilings)
+        return step_time_us(step, key, replays)
+
+    best, after, before = descend(start, candidates, measure, margin)
+    w4_linear.pin_matvec_tilings(best)
+    step.graphs.pop(key, None)
+    step.prepare(key)
+    return best, before, after
+
+
+def tilings_path() -> Path:
+    """Where tuned tilings are kept: ``$QAT4_TILINGS``, else ~/.cache/qat4/decode_tilings.json."""
+    return Path(os.environ.get("QAT4_TILINGS") or Path.home() / ".cache" / "qat4" / "decode_tilings.json")
+
+
+def _machine_key(device: torch.device, dtype: torch.dtype) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return f"{name} | {str(dtype).removeprefix('torch.')} | triton {triton.__version__}"
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def save_tilings(tilings: Tilings, device: torch.device, dtype: torch.dtype, path: Path | None = None) -> Path:
+    """Store `tilings` for this GPU, dtype and Triton version beside those of other machines
+    (written to a temporary file, then renamed over the old one)."""
+    path = path or tilings_path()
+    table = _read(path)
+    table[_machine_key(device, dtype)] = {json.dumps(list(shape)): tiling for shape, tiling in tilings.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+    tmp.replace(path)
+    return path
+
+
+def load_tilings(device: torch.device, dtype: torch.dtype, path: Path | None = None) -> Tilings:
+    """The tilings saved for this GPU, dtype and Triton version ({} when none, or when the file
+    cannot be read)."""
+    saved = _read(path or tilings_path()).get(_machine_key(device, dtype), {})
+    return {tuple(json.loads(shape)): tiling for shape, tiling in saved.items()}

@@ -1,0 +1,65 @@
+"""Decode GEMV tilings chosen by whole-step time: the descent, the saved table, and pinning.
+
+Timing whole steps needs CUDA graphs; here the descent runs on a made-up cost and pinning is checked
+on the GEMV itself (under the Triton interpreter through test_ops_w4's subprocess, or on CUDA).
+"""
+
+import json
+
+import pytest
+import torch
+
+from qat4 import decode_tuning as dt
+
+A, B = ("a",), ("b",)
+
+
+def tiling(split):
+    return {"RR": 8, "TR": 2, "BLOCK_G": 16, "SPLIT_K": split}
+
+
+def test_descent_keeps_only_clear_gains_one_shape_at_a_time():
+    cost = {A: {1: 50.0, 2: 40.0, 3: 39.9}, B: {1: 30.0, 2: 29.9, 4: 10.0}}
+    calls = []
+
+    def measure(tilings):
+        calls.append(tilings)
+        return sum(cost[key][t["SPLIT_K"]] for key, t in tilings.items())
+
+    start = {A: tiling(1), B: tiling(1)}
+    best, value, first = dt.descend(start, {A: [tiling(1), tiling(2), tiling(3)], B: [tiling(2), tiling(4)]}, measure)
+    # A: 2 wins (80 -> 70); 3 is not 1 % better than 2. B: 2 is no clear gain, 4 wins (70 -> 50).
+    assert best == {A: tiling(2), B: tiling(4)} and value == 50.0 and first == 80.0
+    assert len(calls) == 5  # the start, then each candidate that differs from the current tiling once
+    assert start == {A: tiling(1), B: tiling(1)}
+
+
+def test_saved_tilings_are_kept_per_machine_and_survive_a_bad_file(tmp_path):
+    path = tmp_path / "sub" / "tilings.json"
+    cpu = torch.device("cpu")
+    table = {(1536, 48, 1, 0, True, "bfloat16"): tiling(6), (2560, 48, 1, 0, False, "bfloat16"): tiling(1)}
+    assert dt.save_tilings(table, cpu, torch.bfloat16, path) == path
+    dt.save_tilings({A: tiling(2)}, cpu, torch.float16, path)
+    assert dt.load_tilings(cpu, torch.bfloat16, path) == table
+    assert dt.load_tilings(cpu, torch.float16, path) == {A: tiling(2)}
+    assert len(json.loads(path.read_text())) == 2
+    assert dt.load_tilings(cpu, torch.float32, path) == {}
+    path.write_text("{not json")
+    assert dt.load_tilings(cpu, torch.bfloat16, path) == {}
+    assert not path.with_suffix(".tmp").exists()
+
+
+def test_tilings_path_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("QAT4_TILINGS", str(tmp_path / "t.json"))
+    assert dt.tilings_path() == tmp_path / "t.json"
+
+
+def test_tuning_refuses_an_engine_without_graphs(tmp_path):
+    from qat4.checkpoint.synth import write_synthetic
+    from qat4.config import TINY
+    from qat4.engine import Engine
+    from qat4.errors import Qat4Error
+
+    engine = Engine.load(write_synthetic(tmp_path / "ckpt", TINY, "ct-emb4", seed=1), max_ctx=64)
+    with pytest.raises(Qat4Error, match="CUDA"):
+        engine.tune_decode()
