@@ -55,13 +55,18 @@ def main() -> None:
     engine = Engine.from_packed(packed, "cuda", max_ctx=max(8192, 2 * args.depth), prefill_chunk=512)
     g = torch.Generator().manual_seed(0)
     fill(engine, torch.randint(3, engine.config.vocab_size, (args.depth,), generator=g).cuda())
+    w4_linear.pin_matvec_tilings({})  # draw from the autotuner, not from tilings saved by `qat4 bench --tune`
     for draw in range(args.draws):
         w4_linear._matvec_tuned.cache.clear()
         us = step_us(engine, args.depth, args.replays)
-        print(f"draw {draw}: {us:7.1f} µs per step ({1e6 / us:.1f} tok/s); tilings (N, G, rows, epilogue, residual)"
-              " -> (RR, TR, BLOCK_G, SPLIT_K):", flush=True)
-        for key, cfg in sorted(w4_linear._matvec_tuned.cache.items(), key=lambda item: str(item[0])):
-            print(f"    {key[:5]} -> {tuple(cfg.kwargs[k] for k in ('RR', 'TR', 'BLOCK_G', 'SPLIT_K'))}")
+        print(f"draw {draw}: {us:7.1f} µs per step ({1e6 / us:.1f} tok/s); tilings", flush=True)
+        print_tilings()
+
+
+def print_tilings() -> None:
+    print("    (N, K/32, rows of x, epilogue, residual, dtype) -> (RR, TR, BLOCK_G, SPLIT_K)")
+    for key, tiling in sorted(w4_linear.matvec_tilings().items(), key=lambda item: str(item[0])):
+        print(f"    {key} -> {tuple(tiling[k] for k in ('RR', 'TR', 'BLOCK_G', 'SPLIT_K'))}")
 
 
 if __name__ == "__main__":

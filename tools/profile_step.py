@@ -75,9 +75,10 @@ def main() -> None:
     print(f"decode step at depth {args.depth}: {launches} kernels, {kernel_us:.0f} µs of kernel time, "
           f"{graph_us:.0f} µs per graph replay ({1e6 / graph_us:.0f} tok/s)")
     print(table)
-    print("\nGEMV tiling chosen by the autotuner (N, G, rows of x, epilogue, residual -> RR, TR, BLOCK_G, SPLIT_K):")
-    for key, cfg in sorted(w4_linear._matvec_tuned.cache.items(), key=lambda item: str(item[0])):
-        print(f"  {key[:5]} -> {tuple(cfg.kwargs[k] for k in ('RR', 'TR', 'BLOCK_G', 'SPLIT_K'))}")
+    print("\nGEMV tilings, pinned or autotuned: (N, K/32, rows of x, epilogue, residual, dtype) -> "
+          "(RR, TR, BLOCK_G, SPLIT_K)")
+    for key, tiling in sorted(w4_linear.matvec_tilings().items(), key=lambda item: str(item[0])):
+        print(f"  {key} -> {tuple(tiling[k] for k in ('RR', 'TR', 'BLOCK_G', 'SPLIT_K'))}")
 
     chunk = ids[: args.chunk]
     engine.model.prefill(chunk, 0, engine.cache)
