@@ -69,7 +69,9 @@ def tune_decode_tilings(step, key: object, replays: int = 50, margin: float = 0.
 
     Returns (tilings, µs per step with the autotuner's picks, µs per step with the tilings found).
     """
-    step.prepare(key)  # every GEMV shape of the step launched (and autotuned) at least once
+    step.graphs.pop(key, None)
+    w4_linear.forget_matvec_tilings()
+    step.prepare(key)  # eager warm-up steps launch (and autotune) every GEMV shape of the step
     start = w4_linear.matvec_tilings()
     device = step.model.device
     by_bytes = sorted(start, key=lambda shape: shape[0] * shape[1], reverse=True)

@@ -184,7 +184,7 @@ def test_kernel_matvec(m, n, k, x_dtype, scale_dtype, config):
 def test_kernel_matvec_pinned_tiling_replaces_the_autotuners(monkeypatch):
     """A launch records the autotuner's pick per shape; a pinned tiling is launched instead."""
     monkeypatch.setattr(wl, "_pinned_tilings", {})
-    monkeypatch.setattr(wl, "_tuned_tilings", {})
+    monkeypatch.setattr(wl, "_launched_tilings", {})
     x, packed, scales = kernel_inputs(1, 40, 512, torch.float32, torch.float16)
     want = wl.w4_linear_reference(x, packed, scales)
     assert rel_err(wl.w4_matvec(x, packed, scales), want) < OUT_TOL[torch.float32]
@@ -202,9 +202,11 @@ def test_kernel_matvec_pinned_tiling_replaces_the_autotuners(monkeypatch):
 
     monkeypatch.setattr(wl, "_matvec_kernel", Spy())
     wl.pin_matvec_tilings({key: pinned})
-    assert wl.matvec_tilings()[key] == pinned
+    wl.forget_matvec_tilings()
+    assert wl.matvec_tilings() == {}
     assert rel_err(wl.w4_matvec(x, packed, scales), want) < OUT_TOL[torch.float32]
     assert launched == [(1, 3, 1)]  # 40 rows in one block of 64, three splits
+    assert wl.matvec_tilings() == {key: pinned}
 
 
 @kernel_test

@@ -490,14 +490,20 @@ class ResidualStep(NamedTuple):
 
 _TILING_KEYS = ("RR", "TR", "BLOCK_G", "SPLIT_K")
 _pinned_tilings: dict[tuple, dict] = {}  # GEMV shape key -> tiling used instead of the autotuner's
-_tuned_tilings: dict[tuple, dict] = {}  # GEMV shape key -> the autotuner's pick, as launched
+_launched_tilings: dict[tuple, dict] = {}  # GEMV shape key -> tiling of its last launch (pinned or autotuned)
 
 
 def matvec_tilings() -> dict[tuple, dict]:
-    """The tiling each GEMV shape launched so far runs with: the pinned one, else the autotuner's
-    pick. Keys are (N, K / 32, BLOCK_M, epilogue, residual, x dtype name); values map RR, TR,
+    """The tiling of each GEMV shape launched since :func:`forget_matvec_tilings`: the pinned one,
+    else the autotuner's pick (shapes whose caller fixes the tiling, the output layer, are left
+    out). Keys are (N, K / 32, BLOCK_M, epilogue, residual, x dtype name); values map RR, TR,
     BLOCK_G and SPLIT_K to ints."""
-    return {**_tuned_tilings, **_pinned_tilings}
+    return dict(_launched_tilings)
+
+
+def forget_matvec_tilings() -> None:
+    """Start :func:`matvec_tilings` afresh (e.g. to list the shapes of one decode step)."""
+    _launched_tilings.clear()
 
 
 def pin_matvec_tilings(tilings: dict[tuple, dict]) -> None:
@@ -527,7 +533,8 @@ def _launch_matvec(x, packed, scales, out, *, idx=None, softcap=None, argmax=Fal
     locks, partials = _split_scratch(x.device)
     block_m = _matvec_block_m(m)
     shape_key = (n, kw // 4, block_m, int(epilogue), residual is not None, str(x.dtype).removeprefix("torch."))
-    config = config or _pinned_tilings.get(shape_key)
+    if config is None and shape_key in _pinned_tilings:
+        config = _launched_tilings[shape_key] = _pinned_tilings[shape_key]
     step = residual or ResidualStep(None, None)
     given = lambda t: out if t is None else t  # noqa: E731  (a pointer the kernel's flags leave unread)
     args = (x, packed.contiguous(), scales.contiguous(), out, given(idx), partials, locks, given(up),
@@ -542,7 +549,7 @@ def _launch_matvec(x, packed, scales, out, *, idx=None, softcap=None, argmax=Fal
         _matvec_tuned[grid](*args, **flags)
         picked = getattr(_matvec_tuned, "best_config", None)
         if picked is not None:
-            _tuned_tilings[shape_key] = {k: picked.kwargs[k] for k in _TILING_KEYS}
+            _launched_tilings[shape_key] = {k: picked.kwargs[k] for k in _TILING_KEYS}
     else:
         tiling = {key: config[key] for key in _TILING_KEYS}
         block_n = tiling["RR"] * tiling["TR"]
