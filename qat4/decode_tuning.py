@@ -4,7 +4,7 @@ The GEMV autotuner times each tiling of a shape alone (L2 flushed, nothing befor
 with). In a decode step some 200 GEMVs run chained under programmatic dependent launch, and those
 isolated timings do not rank tilings for it: on an H200 the same code decodes in 1,595 to 1,758 µs
 per step depending on the picks (BENCHMARKS.md). :func:`tune_decode_tilings` starts from the
-autotuner's picks and, shape by shape (the most weight bytes first), tries each candidate tiling by
+tilings in use and, shape by shape (the most weight bytes first), tries each candidate tiling by
 capturing the step anew and timing its graph replays; a candidate replaces the current tiling only
 when the step gets faster by more than ``margin``. The winners are pinned
 (:func:`qat4.ops.w4_linear.pin_matvec_tilings`) and can be saved per GPU, dtype and Triton version
@@ -67,7 +67,8 @@ def step_time_us(step, key: object, replays: int) -> float:
 def tune_decode_tilings(step, key: object, replays: int = 50, margin: float = 0.01) -> tuple[Tilings, float, float]:
     """Pick every decode GEMV's tiling by whole-step replay time (module docstring) and pin them.
 
-    Returns (tilings, µs per step with the autotuner's picks, µs per step with the tilings found).
+    Starts from the tilings in use (the autotuner's picks, or those pinned at load). Returns
+    (tilings, µs per step with the starting tilings, µs per step with the tilings found).
     """
     step.graphs.pop(key, None)
     w4_linear.forget_matvec_tilings()
