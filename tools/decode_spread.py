@@ -1,12 +1,12 @@
 """How much one decode step's speed depends on the GEMV autotuner's picks.
 
-    python tools/decode_spread.py [--draws 3] [--depth 512] [--replays 300]
+    python tools/decode_spread.py [--draws 3] [--replays 300]
 
-Builds the E2B-shaped synthetic engine on the GPU and fills `depth` tokens. Then, per draw, it
-forgets every GEMV tiling the autotuner chose, captures the greedy decode step again (which
-re-tunes each GEMV shape on its own, timed in isolation) and times graph replays of the whole step
-(best of three runs). It prints µs per step and the tiling picked per GEMV shape, so the spread
-between draws shows how well isolated timings rank tilings for the chained step.
+Builds the E2B-shaped synthetic engine on the GPU. Then, per draw, it forgets every GEMV tiling the
+autotuner chose, captures the greedy decode step again (which re-tunes each GEMV shape on its own,
+timed in isolation) and times graph replays of the whole step from position 0 (best of three runs,
+see qat4.decode_tuning.step_time_us). It prints µs per step and the tiling picked per GEMV shape,
+so the spread between draws shows how well isolated timings rank tilings for the chained step.
 """
 
 import argparse
@@ -17,48 +17,24 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from qat4.bench import fill  # noqa: E402
 from qat4.commands.bench import load_packed_for_bench  # noqa: E402
+from qat4.decode_tuning import step_time_us  # noqa: E402
 from qat4.engine import GREEDY, Engine  # noqa: E402
 from qat4.ops import w4_linear  # noqa: E402
-
-
-def step_us(engine: Engine, depth: int, replays: int) -> float:
-    """Capture the greedy step anew (tuning whatever is untuned) and time its graph replays."""
-    step = engine.step
-    step.graphs.clear()
-    step.prepare(GREEDY)
-    step.pos.fill_(depth)
-    for _ in range(20):
-        step.run(GREEDY)
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            step.run(GREEDY)
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / replays)
-    return best
 
 
 @torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draws", type=int, default=3)
-    parser.add_argument("--depth", type=int, default=512)
     parser.add_argument("--replays", type=int, default=300)
     args = parser.parse_args()
     packed = load_packed_for_bench("synthetic:e2b", torch.device("cuda"), seed=0)
-    engine = Engine.from_packed(packed, "cuda", max_ctx=max(8192, 2 * args.depth), prefill_chunk=512)
-    g = torch.Generator().manual_seed(0)
-    fill(engine, torch.randint(3, engine.config.vocab_size, (args.depth,), generator=g).cuda())
+    engine = Engine.from_packed(packed, "cuda", max_ctx=8192, prefill_chunk=512)
     w4_linear.pin_matvec_tilings({})  # draw from the autotuner, not from tilings saved by `qat4 bench --tune`
     for draw in range(args.draws):
         w4_linear._matvec_tuned.cache.clear()
-        us = step_us(engine, args.depth, args.replays)
+        us = step_time_us(engine.step, GREEDY, args.replays)
         print(f"draw {draw}: {us:7.1f} µs per step ({1e6 / us:.1f} tok/s); tilings", flush=True)
         print_tilings()
 
