@@ -193,7 +193,6 @@ def test_public_functions_use_reference_on_cpu(monkeypatch):
     monkeypatch.setenv("QAT4_OPS", "auto")
     x, w = torch.randn(2, 16), torch.randn(16)
     assert torch.equal(norms.rms_norm(x, w), norms.rms_norm_reference(x, w))
-    assert torch.equal(norms.gelu_tanh_mul(x, w.expand(2, 16)), norms.gelu_tanh_mul_reference(x, w.expand(2, 16)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,14 +253,6 @@ def test_kernel_rope_and_qk_norm_rope(dtype, layer_type, dim):
     q_only = norms.qk_norm_rope_triton(q, None, None, positions, cache, qw, None)
     assert_kernel_close(q_only[0], out[0])
     assert q_only[1] is None and q_only[2] is None
-
-
-@kernel_test
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_kernel_gelu_tanh_mul(dtype):
-    gate_up = rand(3, 2 * 1100, dtype=dtype, scale=3)  # two column blocks, the second partial
-    gate, up = gate_up[:, :1100], gate_up[:, 1100:]
-    assert_kernel_close(norms.gelu_tanh_mul_triton(gate, up), norms.gelu_tanh_mul_reference(gate, up))
 
 
 @kernel_test

@@ -14,8 +14,11 @@ Semantics follow transformers 5.17 `models/gemma4/modeling_gemma4.py`:
   and head norms + RoPE fused with the decode step's KV-cache write, to save launches.
 
 Each op has a plain-torch ``*_reference`` and a Triton ``*_triton`` with the same signature; the
-public function picks one with :func:`qat4.ops.use_triton`. The Triton kernels keep HF's rounding
-points (after the norm, after each RoPE product) so 16-bit results match HF's eager run.
+public function picks one with :func:`qat4.ops.use_triton`. The GELU gate and the residual step
+are also device functions (:func:`gelu_tanh_gate`, :func:`residual_rms_norm_row`) that run in the
+epilogues of :mod:`qat4.ops.w4_linear`, which owns their dispatch (``w4_linear_gelu``,
+``w4_linear_residual``); the GELU gate has no kernel of its own. The Triton code keeps HF's
+rounding points (after the norm, after each RoPE product) so 16-bit results match HF's eager run.
 """
 
 import torch
@@ -304,7 +307,8 @@ def _qkv_norm_rope_kernel(
 
 @triton.jit
 def gelu_tanh_gate(g, u, dt: tl.constexpr):
-    """gelu_tanh(g) rounded to dt, times u, rounded to dt: g, u fp32 tensors holding dt values.
+    """gelu_tanh(g) rounded to dt, times u, rounded to dt: g, u fp32 tensors holding dt values
+    (the device form of :func:`gelu_tanh_mul_reference`).
 
     gelu_tanh(x) = x * sigmoid(2 * sqrt(2/pi) * (x + 0.044715 x^3)), the same function as
     0.5 x (1 + tanh(...)) without its cancellation for negative x.
@@ -312,22 +316,6 @@ def gelu_tanh_gate(g, u, dt: tl.constexpr):
     inner = 1.5957691216057308 * (g + 0.044715 * g * g * g)  # 2 * sqrt(2/pi) * (...)
     act = (g / (1.0 + tl.exp(-tl.maximum(inner, -80.0)))).to(dt).to(tl.float32)
     return (act * u).to(dt)
-
-
-@triton.jit
-def _gelu_tanh_mul_kernel(G, U, Y, n_cols, stride_g, stride_u, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """Y = gelu_tanh(G) * U (:func:`gelu_tanh_gate`).
-
-    G, U [N, n_cols] (row strides given, unit column stride), Y [N, n_cols] contiguous.
-    Grid: (N, cdiv(n_cols, BLOCK)).
-    """
-    wait_for_previous_kernel(USE_PDL)
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < n_cols
-    g = tl.load(G + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Y + row * n_cols + cols, gelu_tanh_gate(g, u, Y.dtype.element_ty), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -447,17 +435,6 @@ def residual_rms_norm_triton(
     return h_out.reshape(h.shape), None if x_next is None else x_next.reshape(h.shape)
 
 
-def gelu_tanh_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Triton :func:`gelu_tanh_mul_reference`."""
-    g2, u2 = _rows(gate), _rows(up)
-    y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
-    block = min(1024, triton.next_power_of_2(g2.shape[1]))
-    grid = (g2.shape[0], triton.cdiv(g2.shape[1], block))
-    _gelu_tanh_mul_kernel[grid](g2, u2, y, g2.shape[1], g2.stride(0), u2.stride(0), BLOCK=block, num_warps=4,
-                                **pdl_launch(g2, g2.shape[0]))
-    return y.reshape(gate.shape)
-
-
 # ----------------------------------------------------------------------------------------------
 # Dispatch
 
@@ -470,24 +447,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
 def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
     """RoPE of x [T, H, D] at positions [T]. See :func:`rope_reference`."""
     return (rope_triton if use_triton(x) else rope_reference)(x, positions, cos_sin_cache)
-
-
-def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(gate) * up``. See :func:`gelu_tanh_mul_reference`."""
-    return (gelu_tanh_mul_triton if use_triton(gate) else gelu_tanh_mul_reference)(gate, up)
-
-
-def residual_rms_norm(
-    h: torch.Tensor,
-    y: torch.Tensor,
-    weight: torch.Tensor,
-    scalar: torch.Tensor | None = None,
-    next_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(h + RMSNorm(y)) * scalar and the next input norm. See :func:`residual_rms_norm_reference`."""
-    fn = residual_rms_norm_triton if use_triton(h) else residual_rms_norm_reference
-    return fn(h, y, weight, scalar, next_weight, eps)
 
 
 def qk_norm_rope_store(
