@@ -67,8 +67,10 @@ def step_time_us(step, key: object, replays: int) -> float:
 def tune_decode_tilings(step, key: object, replays: int = 50, margin: float = 0.01) -> tuple[Tilings, float, float]:
     """Pick every decode GEMV's tiling by whole-step replay time (module docstring) and pin them.
 
-    Starts from the tilings in use (the autotuner's picks, or those pinned at load). Returns
-    (tilings, µs per step with the starting tilings, µs per step with the tilings found).
+    Starts from the tilings in use (the autotuner's picks, or those pinned at load). Drops the
+    step's graph for `key` (captured last with a trial tiling): the next ``prepare`` captures it
+    with the tilings found. Returns (tilings, µs per step with the starting tilings, µs per step
+    with the tilings found).
     """
     step.graphs.pop(key, None)
     w4_linear.forget_matvec_tilings()
@@ -85,7 +87,6 @@ def tune_decode_tilings(step, key: object, replays: int = 50, margin: float = 0.
     best, after, before = descend(start, candidates, measure, margin)
     w4_linear.pin_matvec_tilings(best)
     step.graphs.pop(key, None)
-    step.prepare(key)
     return best, before, after
 
 

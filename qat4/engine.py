@@ -241,7 +241,7 @@ class Engine:
         if not self.step.use_graph:
             raise Qat4Error("decode tuning times CUDA-graph replays; it needs a CUDA device with cuda_graph on")
         tilings, before, after = tune_decode_tilings(self.step, GREEDY, replays)
-        self.step.graphs.clear()
+        self.step.graphs.clear()  # sampling graphs hold the tilings from before
         self.step.prepare(GREEDY)
         self.cache.reset()
         return before, after, save_tilings(tilings, self.device, self.dtype)

@@ -538,7 +538,7 @@ def _launch_matvec(x, packed, scales, out, *, idx=None, softcap=None, argmax=Fal
     step = residual or ResidualStep(None, None)
     given = lambda t: out if t is None else t  # noqa: E731  (a pointer the kernel's flags leave unread)
     args = (x, packed.contiguous(), scales.contiguous(), out, given(idx), partials, locks, given(up),
-            locks[_MAX_SLOTS:], given(step.h if step.h is None else step.h.contiguous()), given(step.weight),
+            locks[_MAX_SLOTS:], given(step.h), given(step.weight),
             given(step.scalar), given(step.next_weight), given(h_out), given(x_next),
             m, n, kw // 4, x.stride(0), out.stride(0), 0 if up is None else up.stride(0), softcap, step.eps)
     flags = dict(BLOCK_M=block_m, SOFTCAP=softcap is not None, ARGMAX=argmax, EPILOGUE=int(epilogue),
@@ -595,7 +595,8 @@ def w4_matvec_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     y = torch.empty(m, d, dtype=x.dtype, device=x.device)
     h_out = torch.empty_like(y)
     x_next = None if residual.next_weight is None else torch.empty_like(y)
-    _launch_matvec(x, packed, scales, y, residual=residual, h_out=h_out, x_next=x_next, config=config)
+    _launch_matvec(x, packed, scales, y, residual=residual._replace(h=residual.h.contiguous()), h_out=h_out,
+                   x_next=x_next, config=config)
     return h_out, x_next
 
 
