@@ -87,7 +87,7 @@ def w4_linear_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
 
 def w4_linear_gelu_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                              up: torch.Tensor | None = None) -> torch.Tensor:
-    """A GELU-gated linear layer, y = x [M, K] @ W.T rounded to x.dtype, then gelu_tanh_mul:
+    """A GELU-gated linear layer, y = x [M, K] @ W.T rounded to x.dtype, then gelu_tanh_mul_reference:
     without `up`, W's rows alternate gate and up (the MLP's merged gate/up) and the result is
     [M, N / 2] = gelu(y[:, 0::2]) * y[:, 1::2]; with `up` [M, N], gelu(y) * up."""
     y = w4_linear_reference(x, packed, scales)
