@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install the wheels it lacks (carried in .whl/), run the GPU tests,
 # the kernel micro-benchmarks, the decode-step profile and `qat4 bench`, and leave every log under
-# $OUT (default ./out). Compiled kernels are kept between machines: a TRITON_CACHE tarball
-# (default out/triton_cache.tgz) is unpacked first and written back to $OUT at the end.
+# $OUT (default ./out). Compiled kernels are kept between machines: a tarball of the Triton cache in
+# parts of at most 15 MiB (default out/triton_cache.tgz.*; a machine returns files of up to 16 MiB)
+# is unpacked first and written back to $OUT at the end.
 #   usage: tools/gpu_check.sh [tests|kernels|profile|bench|all]...   (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +18,7 @@ fi
 CACHE_TGZ=${TRITON_CACHE:-out/triton_cache.tgz}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/qat4_triton_cache}
 mkdir -p "$TRITON_CACHE_DIR"
-[ -f "$CACHE_TGZ" ] && tar xzf "$CACHE_TGZ" -C "$TRITON_CACHE_DIR"
+compgen -G "$CACHE_TGZ.*" >/dev/null && cat "$CACHE_TGZ".* | tar xzf - -C "$TRITON_CACHE_DIR"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
@@ -46,4 +47,4 @@ if want bench; then
     timeout 150 python3 -m qat4.cli bench --model synthetic:e2b --depths 131072 --new 64 --prompt 4096 --memory-cap-mib 3732 \
         --json "$OUT/bench_cap.json" 2>&1 | tee "$OUT/bench_cap.log" | tail -8
 fi
-tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" .
+tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$OUT/triton_cache.tgz."
