@@ -90,6 +90,14 @@ def tune_decode_tilings(step, key: object, replays: int = 50, margin: float = 0.
     return best, before, after
 
 
+def describe_tilings(tilings: Tilings) -> list[str]:
+    """Lines that show a table of tilings: a header, then one line per GEMV shape key in order."""
+    lines = ["(N, K/32, rows of x, epilogue, residual, dtype) -> (RR, TR, BLOCK_G, SPLIT_K)"]
+    for key, tiling in sorted(tilings.items(), key=lambda item: str(item[0])):
+        lines.append(f"{key} -> {tuple(tiling[k] for k in ('RR', 'TR', 'BLOCK_G', 'SPLIT_K'))}")
+    return lines
+
+
 def tilings_path() -> Path:
     """Where tuned tilings are kept: ``$QAT4_TILINGS``, else ~/.cache/qat4/decode_tilings.json."""
     return Path(os.environ.get("QAT4_TILINGS") or Path.home() / ".cache" / "qat4" / "decode_tilings.json")

@@ -20,8 +20,8 @@ import torch
 
 from qat4.cache import KVCache
 from qat4.checkpoint.packed_model import PackedModel
-from qat4.decode_tuning import load_tilings, save_tilings, tune_decode_tilings
 from qat4.checkpoint.packing import PackedTensor
+from qat4.decode_tuning import load_tilings, save_tilings, tune_decode_tilings
 from qat4.errors import Qat4Error
 from qat4.model import Gemma4
 from qat4.ops.w4_linear import pin_matvec_tilings

@@ -63,3 +63,10 @@ def test_tuning_refuses_an_engine_without_graphs(tmp_path):
     engine = Engine.load(write_synthetic(tmp_path / "ckpt", TINY, "ct-emb4", seed=1), max_ctx=64)
     with pytest.raises(Qat4Error, match="CUDA"):
         engine.tune_decode()
+
+
+def test_describe_tilings_lists_each_shape_once_in_order():
+    lines = dt.describe_tilings({(2560, 48, 1, 0, False, "bfloat16"): tiling(1), (1536, 48, 1, 0, True, "bfloat16"): tiling(6)})
+    assert lines[0].startswith("(N, K/32") and len(lines) == 3
+    assert lines[1] == f"(1536, 48, 1, 0, True, 'bfloat16') -> {tuple(tiling(6)[k] for k in ('RR', 'TR', 'BLOCK_G', 'SPLIT_K'))}"
+    assert lines[2].startswith("(2560, 48, 1, 0, False, 'bfloat16') -> ")

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from qat4.commands.bench import load_packed_for_bench  # noqa: E402
-from qat4.decode_tuning import step_time_us  # noqa: E402
+from qat4.decode_tuning import describe_tilings, step_time_us  # noqa: E402
 from qat4.engine import GREEDY, Engine  # noqa: E402
 from qat4.ops import w4_linear  # noqa: E402
 
@@ -36,13 +36,7 @@ def main() -> None:
         w4_linear._matvec_tuned.cache.clear()
         us = step_time_us(engine.step, GREEDY, args.replays)
         print(f"draw {draw}: {us:7.1f} µs per step ({1e6 / us:.1f} tok/s); tilings", flush=True)
-        print_tilings()
-
-
-def print_tilings() -> None:
-    print("    (N, K/32, rows of x, epilogue, residual, dtype) -> (RR, TR, BLOCK_G, SPLIT_K)")
-    for key, tiling in sorted(w4_linear.matvec_tilings().items(), key=lambda item: str(item[0])):
-        print(f"    {key} -> {tuple(tiling[k] for k in ('RR', 'TR', 'BLOCK_G', 'SPLIT_K'))}")
+        print("\n".join("    " + line for line in describe_tilings(w4_linear.matvec_tilings())))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from qat4.bench import fill  # noqa: E402
 from qat4.commands.bench import load_packed_for_bench  # noqa: E402
+from qat4.decode_tuning import describe_tilings  # noqa: E402
 from qat4.engine import GREEDY, Engine  # noqa: E402
 from qat4.ops import w4_linear  # noqa: E402
 
@@ -75,10 +76,8 @@ def main() -> None:
     print(f"decode step at depth {args.depth}: {launches} kernels, {kernel_us:.0f} µs of kernel time, "
           f"{graph_us:.0f} µs per graph replay ({1e6 / graph_us:.0f} tok/s)")
     print(table)
-    print("\nGEMV tilings, pinned or autotuned: (N, K/32, rows of x, epilogue, residual, dtype) -> "
-          "(RR, TR, BLOCK_G, SPLIT_K)")
-    for key, tiling in sorted(w4_linear.matvec_tilings().items(), key=lambda item: str(item[0])):
-        print(f"  {key} -> {tuple(tiling[k] for k in ('RR', 'TR', 'BLOCK_G', 'SPLIT_K'))}")
+    print("\nGEMV tilings, pinned or autotuned:")
+    print("\n".join("  " + line for line in describe_tilings(w4_linear.matvec_tilings())))
 
     chunk = ids[: args.chunk]
     engine.model.prefill(chunk, 0, engine.cache)
