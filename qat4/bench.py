@@ -7,6 +7,7 @@ attention reads at that depth) over the card's read bandwidth, measured in the s
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import sys
@@ -185,7 +186,7 @@ def _device_name(device: torch.device) -> str:
 def format_table(report: BenchReport) -> str:
     lines = [
         f"model {report.model} on {report.device} ({report.dtype}), read bandwidth {report.read_bandwidth_gb_s:,.0f} GB/s",
-        f"model on GPU {report.model_mib:,.0f} MiB, KV cache {report.kv_cache_mib:,.0f} MiB for {report.max_ctx:,} tokens, "
+        f"model {report.model_mib:,.0f} MiB, KV cache {report.kv_cache_mib:,.0f} MiB for {report.max_ctx:,} tokens, "
         f"peak {report.peak_mib:,.0f} MiB" + (f" (cap {report.memory_cap_mib:g} MiB)" if report.memory_cap_mib else ""),
         f"prompt {report.prompt_tokens:,} tokens in chunks of {report.prefill_chunk:,}: {report.prompt_tok_s:,.0f} tok/s, "
         f"time to first token {report.ttft_ms:,.1f} ms",
@@ -195,8 +196,14 @@ def format_table(report: BenchReport) -> str:
     for d in report.depths:
         lines.append(f"{d.depth:>8,} {d.decode_tok_s:>13,.1f} {d.ms_per_token:>9.3f} {d.bytes_per_token / 1e6:>9,.1f} "
                      f"{d.roofline_tok_s:>15,.0f} {d.roofline_fraction:>11.1%}")
-    for name, peer in report.peers.items():
-        lines.append(f"peer {name}: " + ", ".join(f"{k} {v:,.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in peer.items()))
+    if report.peers:
+        first = f"depth {report.depths[0].depth:,}" if report.depths else "no depth"
+        lines += ["", f"{'same weights':>18} {'decode tok/s':>13} {'prompt tok/s':>13} {'peak MiB':>9} "
+                      f"{'qat4 decode (' + first + ')':>26} {'qat4 prompt':>12}"]
+        for name, peer in report.peers.items():
+            ratio = f"{peer['qat4_decode_ratio']:.2f}x" if "qat4_decode_ratio" in peer else "-"
+            lines.append(f"{name:>18} {peer['decode_tok_s']:>13,.1f} {peer['prompt_tok_s']:>13,.0f} "
+                         f"{peer['peak_mib']:>9,.0f} {ratio:>26} {peer['qat4_prompt_ratio']:>11.2f}x")
     return "\n".join(lines)
 
 
@@ -210,6 +217,8 @@ def write_plot(report: BenchReport, path: str) -> None:
     xs = [max(d.depth, 1) for d in report.depths]
     ax.plot(xs, [d.decode_tok_s for d in report.depths], "o-", label="qat4 decode")
     ax.plot(xs, [d.roofline_tok_s for d in report.depths], "--", color="gray", label="bandwidth roofline")
+    for name, peer in report.peers.items():
+        ax.plot(xs[:1], [peer["decode_tok_s"]], "s", label=f"{name} decode (16-token prompt)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens held in the KV cache")
     ax.set_ylabel("tokens / s")
@@ -235,6 +244,10 @@ def run_hf_peer(packed, device: torch.device, prompt: int, new: int, report: Ben
     decode tok/s after a 16-token prompt, prompt tok/s, and qat4's ratios over both."""
     from qat4.reference import cast, hf_model
 
+    if device.type == "cuda":  # the peer's own peak, not the engine's (the caller dropped the engine)
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     log("building transformers' Gemma 4 in bf16 on the same weights")
     hf = cast(hf_model(packed, device), torch.bfloat16)
     g = torch.Generator().manual_seed(1)

@@ -43,6 +43,23 @@ def test_bench_command_on_the_cpu(tmp_path):
     assert plot.stat().st_size > 1000
 
 
+def test_bench_peers_hf_runs_transformers_on_the_same_weights(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "qat4.cli", "bench", "--model", "synthetic:tiny", "--device", "cpu",
+         "--depths", "0", "--new", "3", "--prompt", "16", "--peers", "hf", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "transformers-bf16" in proc.stdout and "qat4 decode (depth 0)" in proc.stdout
+    report = json.loads(out.read_text())
+    peer = report["peers"]["transformers-bf16"]
+    assert peer["decode_tok_s"] > 0 and peer["prompt_tok_s"] > 0
+    ours = report["depths"][0]["decode_tok_s"]
+    assert peer["qat4_decode_ratio"] == pytest.approx(ours / peer["decode_tok_s"])
+    assert peer["qat4_prompt_ratio"] == pytest.approx(report["prompt_tok_s"] / peer["prompt_tok_s"])
+
+
 @pytest.mark.parametrize("args, message", [
     (["--depths", "0,x"], "--depths must be comma-separated integers"),
     (["--model", "synthetic:huge"], "unknown synthetic preset"),
