@@ -9,6 +9,8 @@ bytes = N*K/2 (codes) + N*K/16 (scales) + activations; GB/s = bytes / time. The 
 weighs each shape by its count per decode step (gemma4-e2b.md section 5.5) and compares with the
 read bandwidth measured by a plain copy. --sweep also times the candidate tilings one by one.
 Then (without --shapes): the output layer (logits, argmax), the prefill GEMM, the embeddings.
+--floor instead times chains of N x 1536 GEMVs from 0.1 to 42 MB at fixed tilings, with and without
+programmatic dependent launch: what a dependent GEMV costs before its bytes.
 """
 
 import argparse
@@ -100,6 +102,42 @@ def bench_matvec(dtype, rows, sweep, shapes, device, peak):
           f"({total_bytes / 1e9:.3f} GB over {sum(c for *_, c in shapes)} GEMVs)")
 
 
+FLOOR_ROWS = (128, 512, 1536, 3072, 6144, 12288, 24576, 49152)
+FLOOR_TILINGS = [(8, 2, 16, 1), (2, 8, 16, 1), (8, 2, 16, 3)]  # (RR, TR, BLOCK_G, SPLIT_K)
+
+
+def bench_floor(dtype, device):
+    """µs per launch of chained N x 1536 GEMVs (distinct copies) per fixed tiling, PDL on and off."""
+    k = 1536
+    heads = [f"{'x'.join(map(str, t))} {'pdl' if pdl else 'no pdl'}" for t in FLOOR_TILINGS for pdl in (True, False)]
+    print(f"\n# chained GEMV N x {k} {dtype}, µs per launch; tilings RRxTRxBLOCK_GxSPLIT_K")
+    print(f"{'N':>6} {'MB':>6} " + " ".join(f"{h:>15}" for h in heads))
+    pdl_setting = os.environ.get("QAT4_PDL")
+    for n in FLOOR_ROWS:
+        nbytes = weight_bytes(n, k, dtype)
+        copies = max(1, min(256, WORKING_SET // nbytes))
+        packed, scales = random_weight(n, k, dtype, device, copies)
+        x = torch.randn(1, k, dtype=dtype, device=device)
+        out = torch.empty(copies, 1, n, dtype=dtype, device=device)
+        cells = []
+        for rr, tr, bg, split in FLOOR_TILINGS:
+            config = {"RR": rr, "TR": tr, "BLOCK_G": bg, "SPLIT_K": split}
+            for pdl in (True, False):
+                os.environ["QAT4_PDL"] = "1" if pdl else "0"
+
+                def run():
+                    for i in range(copies):
+                        wl.w4_matvec(x, packed[i], scales[i], out[i], config=config)
+
+                cells.append(graph_time_us(run, copies))
+        print(f"{n:>6} {nbytes / 1e6:>6.2f} " + " ".join(f"{us:>15.2f}" for us in cells))
+        del packed, scales, out
+    if pdl_setting is None:
+        os.environ.pop("QAT4_PDL")
+    else:
+        os.environ["QAT4_PDL"] = pdl_setting
+
+
 def bench_output(dtype, device, peak):
     n, k = 262144, 1536
     packed, scales = random_weight(n, k, dtype, device)
@@ -145,6 +183,7 @@ def main():
     parser.add_argument("--rows", type=int, default=1, help="rows of x for the decode GEMV (1..16)")
     parser.add_argument("--sweep", action="store_true", help="also time every GEMV tiling")
     parser.add_argument("--shapes", help="decode shapes to time, e.g. 262144x1536,1536x12288 (default: all)")
+    parser.add_argument("--floor", action="store_true", help="only the chained-GEMV cost against weight bytes")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_w4 needs a CUDA GPU.")
@@ -153,6 +192,9 @@ def main():
     peak = copy_bandwidth(device)
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {triton.__version__}; "
           f"copy bandwidth {peak:.0f} GB/s (read + write)")
+    if args.floor:
+        bench_floor(dtype, device)
+        return
     shapes = DECODE_SHAPES
     if args.shapes:
         wanted = {tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")}

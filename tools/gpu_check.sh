@@ -31,6 +31,7 @@ if want tests; then
 fi
 if want kernels; then
     timeout 120 python3 tools/bench_w4.py 2>&1 | tee "$OUT/bench_w4.log" | tail -30
+    timeout 90 python3 tools/bench_w4.py --floor 2>&1 | tee "$OUT/bench_w4_floor.log" | tail -12
     timeout 90 python3 tools/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" | tail -20
     timeout 60 python3 tools/bench_sync.py 2>&1 | tee "$OUT/bench_sync.log"
 fi
