@@ -67,22 +67,30 @@ def copy_bandwidth(device):
     return 2 * a.numel() * 4 / ms / 1e6
 
 
+def chained_matvec(n, k, rows, dtype, device):
+    """A timer for the GEMV x [rows, K] @ W.T launched back to back over distinct copies of W [N, K]
+    (>= WORKING_SET in all, so every launch reads its weights from HBM) in one CUDA graph:
+    time_us(config=None) -> median µs per launch, with `config` as w4_matvec takes it."""
+    copies = max(1, min(256, WORKING_SET // weight_bytes(n, k, dtype)))
+    packed, scales = random_weight(n, k, dtype, device, copies)
+    x = torch.randn(rows, k, dtype=dtype, device=device)
+    out = torch.empty(copies, rows, n, dtype=dtype, device=device)
+
+    def run(config):
+        for i in range(copies):
+            wl.w4_matvec(x, packed[i], scales[i], out[i], config=config)
+
+    return lambda config=None: graph_time_us(lambda: run(config), copies)
+
+
 def bench_matvec(dtype, rows, sweep, shapes, device, peak):
     print(f"\n# decode GEMV, x [{rows}, K] {dtype}, scales {dtype}, CUDA graph over distinct copies, median")
     print(f"{'N x K':>14} {'count':>5} {'µs':>8} {'GB/s':>7} {'% copy':>6}  config")
     total_us = total_bytes = 0.0
     for n, k, count in shapes:
         nbytes = weight_bytes(n, k, dtype) + rows * k * 2 + rows * n * 2
-        copies = max(1, min(256, WORKING_SET // nbytes))
-        packed, scales = random_weight(n, k, dtype, device, copies)
-        x = torch.randn(rows, k, dtype=dtype, device=device)
-        out = torch.empty(copies, rows, n, dtype=dtype, device=device)
-
-        def run(config=None):
-            for i in range(copies):
-                wl.w4_matvec(x, packed[i], scales[i], out[i], config=config)
-
-        us = graph_time_us(run, copies)
+        time_us = chained_matvec(n, k, rows, dtype, device)
+        us = time_us()
         best = wl._matvec_tuned.best_config
         gbs = nbytes / us / 1e3
         total_us += us * count
@@ -90,13 +98,12 @@ def bench_matvec(dtype, rows, sweep, shapes, device, peak):
         print(f"{n:>7} x {k:<5} {count:>5} {us:>8.2f} {gbs:>7.0f} {100 * gbs / peak:>5.0f}%  "
               f"RR={best.kwargs['RR']} TR={best.kwargs['TR']} BG={best.kwargs['BLOCK_G']} split={best.kwargs['SPLIT_K']}")
         if sweep:
-            tuned = wl._prune_matvec(wl._matvec_configs(), {"N": n, "G": k // 32, "M": rows, "x_ptr": x},
-                                     BLOCK_M=wl._matvec_block_m(rows))
+            tuned = wl.matvec_tiling_candidates((n, k // 32, wl._matvec_block_m(rows)), device)
             extra = [{"RR": rr, "TR": tr, "BLOCK_G": bg, "SPLIT_K": 1} for rr, tr, bg in EXTRA_TILINGS]
-            for tiling in [dict(cfg.kwargs) for cfg in tuned] + extra:
-                us_t = graph_time_us(lambda: run(tiling), copies)
+            for tiling in tuned + extra:
+                us_t = time_us(tiling)
                 print(f"{'':>22} {us_t:>8.2f} {nbytes / us_t / 1e3:>7.0f}         {tiling}")
-        del packed, scales, out
+        del time_us  # frees this shape's copies before the next shape's
     gbs = total_bytes / total_us / 1e3
     print(f"{'per token':>14} {'':>5} {total_us:>8.1f} {gbs:>7.0f} {100 * gbs / peak:>5.0f}%  "
           f"({total_bytes / 1e9:.3f} GB over {sum(c for *_, c in shapes)} GEMVs)")
@@ -114,24 +121,14 @@ def bench_floor(dtype, device):
     print(f"{'N':>6} {'MB':>6} " + " ".join(f"{h:>15}" for h in heads))
     pdl_setting = os.environ.get("QAT4_PDL")
     for n in FLOOR_ROWS:
-        nbytes = weight_bytes(n, k, dtype)
-        copies = max(1, min(256, WORKING_SET // nbytes))
-        packed, scales = random_weight(n, k, dtype, device, copies)
-        x = torch.randn(1, k, dtype=dtype, device=device)
-        out = torch.empty(copies, 1, n, dtype=dtype, device=device)
+        time_us = chained_matvec(n, k, 1, dtype, device)
         cells = []
         for rr, tr, bg, split in FLOOR_TILINGS:
-            config = {"RR": rr, "TR": tr, "BLOCK_G": bg, "SPLIT_K": split}
             for pdl in (True, False):
                 os.environ["QAT4_PDL"] = "1" if pdl else "0"
-
-                def run():
-                    for i in range(copies):
-                        wl.w4_matvec(x, packed[i], scales[i], out[i], config=config)
-
-                cells.append(graph_time_us(run, copies))
-        print(f"{n:>6} {nbytes / 1e6:>6.2f} " + " ".join(f"{us:>15.2f}" for us in cells))
-        del packed, scales, out
+                cells.append(time_us({"RR": rr, "TR": tr, "BLOCK_G": bg, "SPLIT_K": split}))
+        print(f"{n:>6} {weight_bytes(n, k, dtype) / 1e6:>6.2f} " + " ".join(f"{us:>15.2f}" for us in cells))
+        del time_us
     if pdl_setting is None:
         os.environ.pop("QAT4_PDL")
     else:
