@@ -92,9 +92,9 @@ def tune_decode_tilings(step, key: object, replays: int = 50, margin: float = 0.
 
 def describe_tilings(tilings: Tilings) -> list[str]:
     """Lines that show a table of tilings: a header, then one line per GEMV shape key in order."""
-    lines = ["(N, K/32, rows of x, epilogue, residual, dtype) -> (RR, TR, BLOCK_G, SPLIT_K)"]
+    lines = [f"(N, K/32, rows of x, epilogue, residual, dtype) -> ({', '.join(w4_linear.TILING_KEYS)})"]
     for key, tiling in sorted(tilings.items(), key=lambda item: str(item[0])):
-        lines.append(f"{key} -> {tuple(tiling[k] for k in ('RR', 'TR', 'BLOCK_G', 'SPLIT_K'))}")
+        lines.append(f"{key} -> {tuple(tiling[k] for k in w4_linear.TILING_KEYS)}")
     return lines
 
 

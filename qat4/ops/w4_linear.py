@@ -405,6 +405,7 @@ def _residual_after_last_store(out_ptr, stride_om, done_ptr, M, D, h_ptr, rw_ptr
 _ONE_ROW_TILES = [(8, 2, 16), (8, 1, 32), (4, 4, 8), (4, 4, 16), (2, 8, 16), (2, 4, 32)]
 _MATVEC_TILES = {1: _ONE_ROW_TILES, 2: _ONE_ROW_TILES, 4: [(4, 2, 16), (2, 4, 8)]}
 _SPLITS = (1, 2, 3, 4, 6, 8, 12)  # 3, 6 and 12 divide the 48 groups of a 1536-wide row and the 384 of down
+TILING_KEYS = ("RR", "TR", "BLOCK_G", "SPLIT_K")  # what a GEMV tiling sets (num_warps follows)
 
 
 def _matvec_configs():
@@ -435,10 +436,10 @@ def _prune_matvec(configs, named_args, **kwargs):
     target = 8 * _sm_count(named_args["x_ptr"].device)
     chosen = {}
     for cfg in configs:
-        rr, tr, bg, split = (cfg.kwargs[key] for key in ("RR", "TR", "BLOCK_G", "SPLIT_K"))
-        if (rr, tr, bg) not in _MATVEC_TILES[block_m]:
-            continue
+        rr, tr, bg, split = (cfg.kwargs[key] for key in TILING_KEYS)
         key = (rr, tr, bg)
+        if key not in _MATVEC_TILES[block_m]:
+            continue
         warps = lambda c: triton.cdiv(n, rr * tr) * m_blocks * c.kwargs["SPLIT_K"] * c.num_warps
         if key in chosen and warps(chosen[key]) >= target:
             continue
@@ -488,7 +489,6 @@ class ResidualStep(NamedTuple):
     eps: float = 1e-6
 
 
-_TILING_KEYS = ("RR", "TR", "BLOCK_G", "SPLIT_K")
 _pinned_tilings: dict[tuple, dict] = {}  # GEMV shape key -> tiling used instead of the autotuner's
 _launched_tilings: dict[tuple, dict] = {}  # GEMV shape key -> tiling of its last launch (pinned or autotuned)
 
@@ -510,7 +510,7 @@ def pin_matvec_tilings(tilings: dict[tuple, dict]) -> None:
     """Launch these GEMV shapes with these tilings from now on (keys as :func:`matvec_tilings`),
     instead of the autotuner's picks; shapes not listed are unpinned."""
     _pinned_tilings.clear()
-    _pinned_tilings.update({key: {k: int(tiling[k]) for k in _TILING_KEYS} for key, tiling in tilings.items()})
+    _pinned_tilings.update({key: {k: int(tiling[k]) for k in TILING_KEYS} for key, tiling in tilings.items()})
 
 
 def matvec_tiling_candidates(key: tuple, device: torch.device) -> list[dict]:
@@ -518,7 +518,7 @@ def matvec_tiling_candidates(key: tuple, device: torch.device) -> list[dict]:
     n, g, block_m = key[:3]
     pruned = _prune_matvec(_matvec_tuned.configs, {"N": n, "G": g, "M": block_m, "x_ptr": torch.empty(0, device=device)},
                            BLOCK_M=block_m)
-    return [{k: c.kwargs[k] for k in _TILING_KEYS} for c in pruned]
+    return [{k: c.kwargs[k] for k in TILING_KEYS} for c in pruned]
 
 
 def _launch_matvec(x, packed, scales, out, *, idx=None, softcap=None, argmax=False, epilogue=PLAIN, up=None,
@@ -549,9 +549,9 @@ def _launch_matvec(x, packed, scales, out, *, idx=None, softcap=None, argmax=Fal
         _matvec_tuned[grid](*args, **flags)
         picked = getattr(_matvec_tuned, "best_config", None)
         if picked is not None:
-            _launched_tilings[shape_key] = {k: picked.kwargs[k] for k in _TILING_KEYS}
+            _launched_tilings[shape_key] = {k: picked.kwargs[k] for k in TILING_KEYS}
     else:
-        tiling = {key: config[key] for key in _TILING_KEYS}
+        tiling = {key: config[key] for key in TILING_KEYS}
         block_n = tiling["RR"] * tiling["TR"]
         if not _split_fits(n, triton.cdiv(m, block_m), block_m, block_n, tiling["SPLIT_K"]):
             raise ValueError(f"split-K scratch too small for {config} at N={n}")
