@@ -65,25 +65,27 @@ def _barrier_kernel(counter_ptr, ring_ptr, n_barriers):
 
 
 @triton.jit(do_not_specialize=["first_stage", "epoch"])
-def _stage_kernel(x_ptr, w_ptr, s_ptr, counter_ptr, first_stage, epoch, K: tl.constexpr, ROWS: tl.constexpr,
-                  PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
+def _stage_kernel(x_ptr, w_ptr, s_ptr, counter_ptr, first_stage, epoch, K: tl.constexpr, K_POW2: tl.constexpr,
+                  ROWS: tl.constexpr, PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
     """Stages of the chain x[s + 1] = W[s] @ x[s]: x fp32 [stages + 1, K], W[s] [K, K] as int32
     words [stages, K, K / 8] (column 8j + i in bits 4i..4i+3 of word j as level + 8) and fp32 steps
     [stages, K, K / 32]. Grid: (S * P,), P = K / ROWS programs per stage; program q serves stage
     first_stage + q // P, rows (q % P) * ROWS onwards, then counts itself into counter[stage].
     Programs of a stage after the launch's first wait until counter[stage - 1] reaches P * epoch
     (counters only grow; epoch numbers the launches that share them). PRELOAD loads the weights
-    before that wait (and before the PDL wait), else after it."""
+    before that wait (and before the PDL wait), else after it. K_POW2: K rounded up to a power of two
+    (the columns past K are masked)."""
     q = tl.program_id(0)
     P: tl.constexpr = K // ROWS
     stage = first_stage + q // P
     rows = (q % P) * ROWS + tl.arange(0, ROWS)
-    j = tl.arange(0, K // 8)
-    g = tl.arange(0, K // 32)
+    j = tl.arange(0, K_POW2 // 8)
+    g = tl.arange(0, K_POW2 // 32)
     w_ptrs = w_ptr + stage * K * (K // 8) + rows[:, None] * (K // 8) + j[None, :]
     s_ptrs = s_ptr + stage * K * (K // 32) + rows[:, None] * (K // 32) + g[None, :]
+    w_mask, s_mask = j[None, :] < K // 8, g[None, :] < K // 32
     if PRELOAD:
-        words, steps = tl.load(w_ptrs), tl.load(s_ptrs)
+        words, steps = tl.load(w_ptrs, mask=w_mask, other=0), tl.load(s_ptrs, mask=s_mask, other=0.0)
     wait_for_previous_kernel(USE_PDL)
     if q >= P:  # gives up after 2^24 polls (then the chain fails its check instead of hanging)
         seen = tl.atomic_add(counter_ptr + stage - 1, 0, sem="acquire", scope="gpu")
@@ -93,12 +95,12 @@ def _stage_kernel(x_ptr, w_ptr, s_ptr, counter_ptr, first_stage, epoch, K: tl.co
             polls += 1
         tl.debug_barrier()
     if not PRELOAD:
-        words, steps = tl.load(w_ptrs), tl.load(s_ptrs)
-    acc = tl.zeros([ROWS, K // 8], dtype=tl.float32)
+        words, steps = tl.load(w_ptrs, mask=w_mask, other=0), tl.load(s_ptrs, mask=s_mask, other=0.0)
+    acc = tl.zeros([ROWS, K_POW2 // 8], dtype=tl.float32)
     for i in tl.static_range(8):
-        xi = tl.load(x_ptr + stage * K + 8 * j + i, cache_modifier=".cg")
+        xi = tl.load(x_ptr + stage * K + 8 * j + i, mask=j < K // 8, other=0.0, cache_modifier=".cg")
         acc += (((words >> (4 * i)) & 15).to(tl.float32) - 8.0) * xi[None, :]
-    y = tl.sum(tl.sum(tl.reshape(acc, [ROWS, K // 32, 4]), axis=2) * steps, axis=1)
+    y = tl.sum(tl.sum(tl.reshape(acc, [ROWS, K_POW2 // 32, 4]), axis=2) * steps, axis=1)
     tl.store(x_ptr + (stage + 1) * K + rows, y)
     tl.debug_barrier()
     tl.atomic_add(counter_ptr + stage, 1, sem="release", scope="gpu")
@@ -134,20 +136,22 @@ class StageChain:
         the counters; `epoch` counts the launches since the counters were zeroed (from 1)."""
         r = (epoch - 1) % self.sets
         _stage_kernel[(stages * (self.k // self.ROWS),)](
-            self.x, self.words[r], self.steps[r], self.counters, 0, epoch, K=self.k, ROWS=self.ROWS,
+            self.x, self.words[r], self.steps[r], self.counters, 0, epoch, K=self.k,
+            K_POW2=triton.next_power_of_2(self.k), ROWS=self.ROWS,
             PRELOAD=preload, num_warps=4, **pdl_launch(self.x, 1))
 
     def kernel_per_stage(self, stages: int, r: int) -> None:
         """The first `stages` stages of copy r as one launch each, chained by PDL where the device has it."""
         for stage in range(stages):
             _stage_kernel[(self.k // self.ROWS,)](self.x, self.words[r], self.steps[r], self.counters, stage, 1,
-                                                  K=self.k, ROWS=self.ROWS, PRELOAD=True, num_warps=4,
+                                                  K=self.k, K_POW2=triton.next_power_of_2(self.k),
+                                                  ROWS=self.ROWS, PRELOAD=True, num_warps=4,
                                                   **pdl_launch(self.x, 1))
 
     def matches_reference(self, stages: int, r: int) -> bool:
         """Whether x[: stages + 1] is the chain of copy r's first `stages` matrices."""
-        ref = stage_chain_reference(self.x[0], self.words[r, :stages].cpu(), self.steps[r, :stages].cpu())
-        return torch.allclose(self.x[: stages + 1].cpu(), ref, rtol=1e-4, atol=1e-4)
+        ref = stage_chain_reference(self.x[0].cpu(), self.words[r, :stages].cpu(), self.steps[r, :stages].cpu())
+        return torch.allclose(self.x[: stages + 1].cpu(), ref, rtol=1e-3, atol=1e-3)
 
 
 def stages_us(stage_counts: list[int], k: int = 1536, sets: int = 12) -> list[tuple[int, float, float, float]]:
@@ -174,9 +178,10 @@ def stages_us(stage_counts: list[int], k: int = 1536, sets: int = 12) -> list[tu
 
 
 def check_stages() -> None:
-    """The stage kernel against its reference on small shapes, both hand-offs (CPU interpreter or GPU)."""
+    """The stage kernel against its reference on small shapes, both hand-offs (CPU interpreter or GPU);
+    K = 96 is not a power of two, as E2B's 1536 is not."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    chain = StageChain(64, 3, 2, device)
+    chain = StageChain(96, 3, 2, device)
     for epoch, preload in ((1, True), (2, False)):
         chain.one_kernel(3, preload, epoch)
         assert chain.matches_reference(3, epoch - 1), f"one kernel, preload={preload}: wrong chain"
