@@ -24,7 +24,7 @@ from qat4.checkpoint.packing import PackedTensor
 from qat4.decode_tuning import load_tilings, save_tilings, tune_decode_tilings
 from qat4.errors import Qat4Error
 from qat4.model import Gemma4
-from qat4.ops.w4_linear import pin_matvec_tilings
+from qat4.ops.w4_linear import forget_matvec_tilings, matvec_tilings, pin_matvec_tilings
 from qat4.sampling import SamplingParams, sample
 
 DEFAULT_STOP_IDS = (1, 106, 50)  # <eos>, <turn|>, <|tool_response>
@@ -160,6 +160,7 @@ class Engine:
         self.generation_config = dict(generation_config or {})
         self.step = DecodeStep(model, cache, use_graph=cuda_graph and self.device.type == "cuda")
         self._reader = _HostReader(self.device)
+        self.pinned_tilings = (0, 0)  # (decode GEMV shapes pinned from saved tilings, shapes in the step); CUDA only
 
     # ---- construction ------------------------------------------------------------------------
 
@@ -213,8 +214,11 @@ class Engine:
             engine = cls(model, cache, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph, tokenizer=tokenizer,
                          generation_config=packed.generation_config)
             if device.type == "cuda":
-                pin_matvec_tilings(load_tilings(device, dtype))
+                saved = load_tilings(device, dtype)
+                pin_matvec_tilings(saved)
                 engine._reserve_workspace()
+                launched = matvec_tilings()  # the decode step's GEMV shapes, captured just now
+                engine.pinned_tilings = (sum(key in saved for key in launched), len(launched))
         except torch.cuda.OutOfMemoryError:
             raise Qat4Error(
                 f"the model, a KV cache of {max_ctx} tokens and the prefill workspace for chunks of {prefill_chunk} "
@@ -225,10 +229,12 @@ class Engine:
     @torch.no_grad()
     def _reserve_workspace(self) -> None:
         """Run one prefill chunk at the deepest position and capture the greedy decode graph, so the
-        caching allocator holds their peak working memory from load on; then forget the sequence."""
+        caching allocator holds their peak working memory from load on; then forget the sequence.
+        Afterwards :func:`matvec_tilings` lists the decode step's GEMV shapes (and no prefill ones)."""
         chunk = min(self.prefill_chunk, self.max_ctx)
         ids = torch.zeros(chunk, dtype=torch.int64, device=self.device)
         self.model.argmax(self.model.prefill(ids, self.max_ctx - chunk, self.cache)[-1:])
+        forget_matvec_tilings()
         self.step.prepare(GREEDY)
         torch.cuda.synchronize(self.device)
         self.cache.reset()

@@ -196,6 +196,7 @@ def test_decode_tuning_saves_tilings_that_the_next_load_pins(tmp_path, monkeypat
     folder = write_synthetic(tmp_path / "ckpt", TINY, "ct-emb4", seed=1)
     try:
         engine = Engine.load(folder, "cuda", max_ctx=512)
+        assert engine.pinned_tilings[0] == 0 < engine.pinned_tilings[1]  # nothing saved yet
         before, after, path = engine.tune_decode(replays=10)
         assert path == tmp_path / "tilings.json" and 0 < after <= before
         saved = load_tilings(engine.device, engine.dtype)
@@ -204,6 +205,7 @@ def test_decode_tuning_saves_tilings_that_the_next_load_pins(tmp_path, monkeypat
         again = Engine.load(folder, "cuda", max_ctx=512)
         now = w4_linear.matvec_tilings()
         assert all(now[key] == tiling for key, tiling in saved.items())
+        assert again.pinned_tilings == (len(saved), len(now))
         assert len(again.generate([2, 5, 6], max_new_tokens=8, temperature=0, stop_token_ids=[]).tokens) == 8
     finally:
         w4_linear.pin_matvec_tilings({})
