@@ -103,6 +103,15 @@ def tilings_path() -> Path:
     return Path(os.environ.get("QAT4_TILINGS") or Path.home() / ".cache" / "qat4" / "decode_tilings.json")
 
 
+def pinned_tilings_note(pinned: int, shapes: int) -> str:
+    """What an engine took from the saved tilings (:attr:`qat4.engine.Engine.pinned_tilings`), and
+    what to do when it did not cover the decode step."""
+    note = f"decode GEMV tilings: {pinned} of {shapes} shapes pinned from {tilings_path()}"
+    if pinned < shapes:
+        note += ", the rest autotuned (step times then vary from run to run; `qat4 bench --tune` saves tilings for every shape)"
+    return note
+
+
 def _machine_key(device: torch.device, dtype: torch.dtype) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     return f"{name} | {str(dtype).removeprefix('torch.')} | triton {triton.__version__}"

@@ -27,15 +27,6 @@ def test_kv_bytes_read_follow_the_window_and_the_full_layers():
     assert kv_bytes_per_token(FakeEngine, 0) == 7 * 2 * 512 * 2 + 28 * 2 * 256 * 2
 
 
-def test_tilings_note_says_how_many_shapes_were_pinned_and_what_to_do_about_the_rest(monkeypatch, tmp_path):
-    from qat4.commands.bench import tilings_note
-
-    monkeypatch.setenv("QAT4_TILINGS", str(tmp_path / "t.json"))
-    assert tilings_note(13, 13) == f"decode GEMV tilings: 13 of 13 shapes pinned from {tmp_path / 't.json'}"
-    stale = tilings_note(0, 13)
-    assert stale.startswith("decode GEMV tilings: 0 of 13 shapes pinned") and "--tune" in stale
-
-
 def test_bench_command_on_the_cpu(tmp_path):
     out = tmp_path / "bench.json"
     plot = tmp_path / "bench.png"

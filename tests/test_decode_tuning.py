@@ -70,3 +70,10 @@ def test_describe_tilings_lists_each_shape_once_in_order():
     assert lines[0].startswith("(N, K/32") and len(lines) == 3
     assert lines[1] == f"(1536, 48, 1, 0, True, 'bfloat16') -> {tuple(tiling(6)[k] for k in ('RR', 'TR', 'BLOCK_G', 'SPLIT_K'))}"
     assert lines[2].startswith("(2560, 48, 1, 0, False, 'bfloat16') -> ")
+
+
+def test_pinned_tilings_note_counts_the_pinned_shapes_and_says_what_to_do_about_the_rest(monkeypatch, tmp_path):
+    monkeypatch.setenv("QAT4_TILINGS", str(tmp_path / "t.json"))
+    assert dt.pinned_tilings_note(13, 13) == f"decode GEMV tilings: 13 of 13 shapes pinned from {tmp_path / 't.json'}"
+    stale = dt.pinned_tilings_note(0, 13)
+    assert stale.startswith("decode GEMV tilings: 0 of 13 shapes pinned") and "qat4 bench --tune" in stale

@@ -67,20 +67,11 @@ def load_packed_for_bench(model: str, device, seed: int):
     return load_packed(model)
 
 
-def tilings_note(pinned: int, shapes: int) -> str:
-    """What the engine took from the saved decode tilings, and what to do when it took nothing."""
-    from qat4.decode_tuning import tilings_path
-
-    note = f"decode GEMV tilings: {pinned} of {shapes} shapes pinned from {tilings_path()}"
-    if pinned < shapes:
-        note += ", the rest autotuned (step times then vary from run to run; --tune saves tilings for every shape)"
-    return note
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from qat4 import bench
+    from qat4.decode_tuning import pinned_tilings_note
     from qat4.engine import Engine
 
     depths = _depths(args.depths)
@@ -100,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
                                 memory_cap_mib=args.memory_cap_mib)
     bench.progress(f"engine ready in {time.perf_counter() - t0:.1f} s")
     if device.type == "cuda" and not args.tune:
-        bench.progress(tilings_note(*engine.pinned_tilings))
+        bench.progress(pinned_tilings_note(*engine.pinned_tilings))
     if args.tune:
         if device.type != "cuda":
             raise Qat4Error("--tune times CUDA-graph replays; it needs --device cuda")

@@ -65,6 +65,7 @@ class _Server(uvicorn.Server):
 
 
 def run(args: argparse.Namespace) -> int:
+    from qat4.decode_tuning import pinned_tilings_note
     from qat4.engine import Engine
     from qat4.server.app import create_app
 
@@ -79,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
                      model_name=args.model_name or model_name_for(args.model))
     print(f"qat4 serve: {app.state.model_name}, context {engine.max_ctx} tokens, on http://{args.host}:{args.port}/",
           file=sys.stderr)
+    if engine.device.type == "cuda":
+        print(f"qat4 serve: {pinned_tilings_note(*engine.pinned_tilings)}", file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     _Server(config, app.state.scheduler.close).run()
