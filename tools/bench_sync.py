@@ -134,19 +134,19 @@ class StageChain:
     def one_kernel(self, stages: int, preload: bool, epoch: int) -> None:
         """The first `stages` stages of copy (epoch - 1) % sets in one launch, handed on through
         the counters; `epoch` counts the launches since the counters were zeroed (from 1)."""
-        r = (epoch - 1) % self.sets
-        _stage_kernel[(stages * (self.k // self.ROWS),)](
-            self.x, self.words[r], self.steps[r], self.counters, 0, epoch, K=self.k,
-            K_POW2=triton.next_power_of_2(self.k), ROWS=self.ROWS,
-            PRELOAD=preload, num_warps=4, **pdl_launch(self.x, 1))
+        self._launch((epoch - 1) % self.sets, 0, stages, epoch, preload)
 
     def kernel_per_stage(self, stages: int, r: int) -> None:
         """The first `stages` stages of copy r as one launch each, chained by PDL where the device has it."""
         for stage in range(stages):
-            _stage_kernel[(self.k // self.ROWS,)](self.x, self.words[r], self.steps[r], self.counters, stage, 1,
-                                                  K=self.k, K_POW2=triton.next_power_of_2(self.k),
-                                                  ROWS=self.ROWS, PRELOAD=True, num_warps=4,
-                                                  **pdl_launch(self.x, 1))
+            self._launch(r, stage, 1, 1, True)
+
+    def _launch(self, r: int, first_stage: int, stages: int, epoch: int, preload: bool) -> None:
+        """One :func:`_stage_kernel` launch over `stages` stages of copy r from `first_stage` on."""
+        _stage_kernel[(stages * (self.k // self.ROWS),)](
+            self.x, self.words[r], self.steps[r], self.counters, first_stage, epoch, K=self.k,
+            K_POW2=triton.next_power_of_2(self.k), ROWS=self.ROWS, PRELOAD=preload, num_warps=4,
+            **pdl_launch(self.x, 1))
 
     def matches_reference(self, stages: int, r: int) -> bool:
         """Whether x[: stages + 1] is the chain of copy r's first `stages` matrices."""
