@@ -3,8 +3,9 @@
     python tools/ab_decode.py OTHER [--model synthetic:e2b] [--depth 0] [--new 256] [--rounds 5]
     # e.g. OTHER from: mkdir /tmp/main && git archive main qat4 | tar x -C /tmp/main
 
-Two `qat4 bench` processes on the same GPU differ by up to 15 % on the same code (clocks, where the
-weights land, autotuned tilings), more than most changes to one kernel are worth. Here both trees
+Two `qat4 bench` processes on the same GPU took 1,618-1,916 µs per step on the same code when no
+saved tilings matched (each load takes the autotuner's picks), more than most changes to one kernel
+are worth. Here both trees
 build their engine on the same weights in one process, each pinning the tilings of
 ``$QAT4_TILINGS`` when it is set, and their greedy decode steps are timed in turns, `--rounds` times
 `--new` steps each (graph replays on CUDA). OTHER is a folder holding a ``qat4`` package; it is
