@@ -4,6 +4,11 @@ The random number is drawn outside (from a seeded ``torch.Generator``) into a de
 the sampling itself is a pure function of tensors: it can sit inside a captured CUDA graph and
 gives the same token eagerly and replayed. ``temperature`` and ``top_p`` are device tensors too
 (changing them needs no recapture); ``top_k`` is a shape, so a graph is captured per value.
+
+The cumulative sums run over integer weights (probabilities in units of 2^-40): a GPU prefix scan
+adds floats in an order that can change from run to run, and over a nucleus of 100,000+ nearly
+equal probabilities that moves the draw to a neighbouring token; integer sums are the same in any
+order, so a seed gives the same tokens every time.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from qat4.errors import Qat4Error
+
+
+_ONE = float(1 << 40)  # probability 1 as an integer weight (exact: a power of two)
 
 
 @dataclass(frozen=True)
@@ -53,9 +61,10 @@ def sample(logits: torch.Tensor, uniform: torch.Tensor, temperature: torch.Tenso
         values, ids = torch.sort(logits, descending=True)
     else:
         values, ids = torch.topk(logits, top_k)
-    probs = torch.softmax(values / temperature, dim=-1)
-    cumulative = probs.cumsum(-1)
-    probs = probs * ((cumulative - probs) < top_p)  # the most likely token always stays
-    cdf = probs.cumsum(-1)
-    choice = torch.searchsorted(cdf, uniform * cdf[-1:], right=True).clamp_(max=ids.shape[0] - 1)
+    weights = (torch.softmax(values / temperature, dim=-1) * _ONE).long()  # the first >= 2^40 / V > 0
+    before = weights.cumsum(-1) - weights
+    weights = weights * (before.double() < top_p.double() * weights.sum(-1, keepdim=True))  # the first stays
+    cdf = weights.cumsum(-1)
+    target = (uniform.double() * cdf[-1:]).long()  # < cdf[-1]: lands on a kept token
+    choice = torch.searchsorted(cdf, target, right=True).clamp_(max=ids.shape[0] - 1)
     return ids[choice]

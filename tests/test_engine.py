@@ -5,6 +5,9 @@ The model is the tiny synthetic checkpoint written to disk in the ct-emb4 format
 the tokenizer (the real Gemma 4 vocabulary) and generation_config all come from the folder.
 """
 
+import bisect
+import itertools
+
 import pytest
 import torch
 
@@ -158,6 +161,19 @@ def test_sample_top_k_and_top_p():
     assert _sample(logits, 0.9999, top_p=0.01) == 1  # the most likely token always stays
     assert _sample(logits, 0.9999, top_p=0.6) == 2  # tokens 1 and 2 hold ~0.9
     assert _sample(logits, 0.9999, temperature=0.01) == 1
+
+
+def test_sample_draws_by_integer_weights_over_a_flat_vocabulary():
+    """262,144 nearly equal probabilities (a nucleus where float prefix sums drift with their
+    order): the draw is the token whose interval of the integer weights' prefix sums holds
+    uniform * total, at uniforms next to the intervals' edges too."""
+    logits = torch.randn(262_144, generator=torch.Generator().manual_seed(3)) * 0.05
+    order = torch.sort(logits, descending=True).indices
+    cdf = list(itertools.accumulate(int(w) for w in (torch.softmax(logits[order], 0) * float(1 << 40)).long()))
+    for edge in (cdf[0], cdf[1], cdf[77_777], cdf[-2]):
+        for u in torch.tensor([edge / cdf[-1]], dtype=torch.float64).float().nextafter(torch.tensor([[0.0], [1.0]])):
+            expected = bisect.bisect_right(cdf, int(u.double() * cdf[-1]))
+            assert _sample(logits.tolist(), float(u)) == int(order[expected])
 
 
 def test_sampling_params():
