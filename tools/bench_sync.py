@@ -1,7 +1,7 @@
 """What one synchronisation point costs on this GPU: a kernel boundary in a CUDA graph (with and
 without programmatic dependent launch) against a grid-wide barrier inside one resident kernel.
 
-    python tools/bench_sync.py [--kernels 500] [--barriers 2000] [--stages 1,2,4,8] [--check]
+    python tools/bench_sync.py [--kernels 500] [--barriers 2000] [--stages 1,2,4,8] [--rows 16] [--check]
 
 A decode step is a chain of some 330 dependent kernels; a persistent kernel per layer would
 replace most boundaries with grid barriers. Both are timed here with the least work around them:
@@ -12,9 +12,13 @@ replace most boundaries with grid barriers. Both are timed here with the least w
   one to a counter, then polls it with acquire loads until every program has arrived), each phase
   handing a value from one program to the next through global memory;
 - stages: S dependent int4 GEMV stages x[s + 1] = W[s] @ x[s] (K x K, each stage's weights its
-  own), run as S kernels chained with PDL, or as one kernel whose programs for stage s wait on a
-  counter that stage s - 1's programs count themselves into, with their weights loaded before the
-  wait or after it. The slope over S is what one dependent GEMV stage costs in each design.
+  own), run as S kernels chained with PDL; as one kernel with a program per stage and row block,
+  whose programs for stage s wait on a counter that stage s - 1's programs count themselves into,
+  with their weights loaded before the wait or after it; or as one persistent kernel, K / ROWS
+  programs that each serve their rows of every stage in turn, loading the next stage's weights
+  before waiting on the counter, which they poll with plain loads (one acquire read once it is
+  reached) or with atomic reads. The slope over S is what one dependent GEMV stage costs in each
+  design.
 
 `--check` runs the stage kernel on small shapes against its torch reference and exits (it runs
 under TRITON_INTERPRET=1 on a CPU).
@@ -64,6 +68,50 @@ def _barrier_kernel(counter_ptr, ring_ptr, n_barriers):
             seen = tl.atomic_add(counter_ptr + 2, 0, sem="acquire", scope="gpu")
 
 
+@triton.jit
+def _wait_for_count(count_ptr, target, LOAD_POLL: tl.constexpr):
+    """Spin until the int32 at count_ptr reaches target (gives up after 2^24 polls, so that a broken
+    chain fails its check instead of hanging), then acquire it: the writes released before the
+    count reached target are visible to every thread of the program afterwards. LOAD_POLL polls
+    with volatile loads and acquires once at the end; else every poll is an acquiring atomic read."""
+    if LOAD_POLL:
+        seen = tl.load(count_ptr, volatile=True)
+    else:
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    polls = 0
+    while (seen < target) & (polls < 16777216):
+        if LOAD_POLL:
+            seen = tl.load(count_ptr, volatile=True)
+        else:
+            seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+        polls += 1
+    if LOAD_POLL:
+        tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _stage_rows(x_ptr, words, steps, stage, rows, j, K: tl.constexpr, K_POW2: tl.constexpr, ROWS: tl.constexpr):
+    """x[stage + 1][rows] = W[stage][rows] @ x[stage] from the program's words [ROWS, K_POW2 / 8]
+    and steps [ROWS, K_POW2 / 32] (zero past column K); x read past L1, as other programs wrote it."""
+    acc = tl.zeros([ROWS, K_POW2 // 8], dtype=tl.float32)
+    for i in tl.static_range(8):
+        xi = tl.load(x_ptr + stage * K + 8 * j + i, mask=j < K // 8, other=0.0, cache_modifier=".cg")
+        acc += (((words >> (4 * i)) & 15).to(tl.float32) - 8.0) * xi[None, :]
+    y = tl.sum(tl.sum(tl.reshape(acc, [ROWS, K_POW2 // 32, 4]), axis=2) * steps, axis=1)
+    tl.store(x_ptr + (stage + 1) * K + rows, y)
+
+
+@triton.jit
+def _load_stage_weights(w_ptr, s_ptr, stage, rows, j, g, K: tl.constexpr):
+    """Words [ROWS, K_POW2 / 8] and steps [ROWS, K_POW2 / 32] of W[stage]'s rows (zero past column K)."""
+    w_ptrs = w_ptr + stage * K * (K // 8) + rows[:, None] * (K // 8) + j[None, :]
+    s_ptrs = s_ptr + stage * K * (K // 32) + rows[:, None] * (K // 32) + g[None, :]
+    words = tl.load(w_ptrs, mask=j[None, :] < K // 8, other=0)
+    steps = tl.load(s_ptrs, mask=g[None, :] < K // 32, other=0.0)
+    return words, steps
+
+
 @triton.jit(do_not_specialize=["first_stage", "epoch"])
 def _stage_kernel(x_ptr, w_ptr, s_ptr, counter_ptr, first_stage, epoch, K: tl.constexpr, K_POW2: tl.constexpr,
                   ROWS: tl.constexpr, PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
@@ -81,29 +129,39 @@ def _stage_kernel(x_ptr, w_ptr, s_ptr, counter_ptr, first_stage, epoch, K: tl.co
     rows = (q % P) * ROWS + tl.arange(0, ROWS)
     j = tl.arange(0, K_POW2 // 8)
     g = tl.arange(0, K_POW2 // 32)
-    w_ptrs = w_ptr + stage * K * (K // 8) + rows[:, None] * (K // 8) + j[None, :]
-    s_ptrs = s_ptr + stage * K * (K // 32) + rows[:, None] * (K // 32) + g[None, :]
-    w_mask, s_mask = j[None, :] < K // 8, g[None, :] < K // 32
     if PRELOAD:
-        words, steps = tl.load(w_ptrs, mask=w_mask, other=0), tl.load(s_ptrs, mask=s_mask, other=0.0)
+        words, steps = _load_stage_weights(w_ptr, s_ptr, stage, rows, j, g, K)
     wait_for_previous_kernel(USE_PDL)
-    if q >= P:  # gives up after 2^24 polls (then the chain fails its check instead of hanging)
-        seen = tl.atomic_add(counter_ptr + stage - 1, 0, sem="acquire", scope="gpu")
-        polls = 0
-        while (seen < P * epoch) & (polls < 16777216):
-            seen = tl.atomic_add(counter_ptr + stage - 1, 0, sem="acquire", scope="gpu")
-            polls += 1
-        tl.debug_barrier()
+    if q >= P:
+        _wait_for_count(counter_ptr + stage - 1, P * epoch, False)
     if not PRELOAD:
-        words, steps = tl.load(w_ptrs, mask=w_mask, other=0), tl.load(s_ptrs, mask=s_mask, other=0.0)
-    acc = tl.zeros([ROWS, K_POW2 // 8], dtype=tl.float32)
-    for i in tl.static_range(8):
-        xi = tl.load(x_ptr + stage * K + 8 * j + i, mask=j < K // 8, other=0.0, cache_modifier=".cg")
-        acc += (((words >> (4 * i)) & 15).to(tl.float32) - 8.0) * xi[None, :]
-    y = tl.sum(tl.sum(tl.reshape(acc, [ROWS, K_POW2 // 32, 4]), axis=2) * steps, axis=1)
-    tl.store(x_ptr + (stage + 1) * K + rows, y)
+        words, steps = _load_stage_weights(w_ptr, s_ptr, stage, rows, j, g, K)
+    _stage_rows(x_ptr, words, steps, stage, rows, j, K, K_POW2, ROWS)
     tl.debug_barrier()
     tl.atomic_add(counter_ptr + stage, 1, sem="release", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["n_stages", "epoch"])
+def _persistent_stage_kernel(x_ptr, w_ptr, s_ptr, counter_ptr, n_stages, epoch, K: tl.constexpr,
+                             K_POW2: tl.constexpr, ROWS: tl.constexpr, LOAD_POLL: tl.constexpr):
+    """The chain of :func:`_stage_kernel` (same x, W, steps and counters) with P = K / ROWS programs,
+    all resident: program p computes rows p * ROWS onwards of stages 0 .. n_stages - 1 in turn.
+    Before waiting for stage s's input (counter[s - 1] reaching P * epoch) it already holds stage
+    s's weights: it loads them while the stage before is still being computed. Grid: (P,)."""
+    p = tl.program_id(0)
+    P: tl.constexpr = K // ROWS
+    rows = p * ROWS + tl.arange(0, ROWS)
+    j = tl.arange(0, K_POW2 // 8)
+    g = tl.arange(0, K_POW2 // 32)
+    words, steps = _load_stage_weights(w_ptr, s_ptr, 0, rows, j, g, K)
+    for stage in range(n_stages):
+        if stage > 0:
+            _wait_for_count(counter_ptr + stage - 1, P * epoch, LOAD_POLL)
+        _stage_rows(x_ptr, words, steps, stage, rows, j, K, K_POW2, ROWS)
+        if stage + 1 < n_stages:  # in flight while this stage is signalled and the next awaited
+            words, steps = _load_stage_weights(w_ptr, s_ptr, stage + 1, rows, j, g, K)
+        tl.debug_barrier()
+        tl.atomic_add(counter_ptr + stage, 1, sem="release", scope="gpu")
 
 
 def stage_chain_reference(x0: torch.Tensor, words: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -117,11 +175,9 @@ def stage_chain_reference(x0: torch.Tensor, words: torch.Tensor, steps: torch.Te
 class StageChain:
     """Weights and buffers for :func:`_stage_kernel`: `sets` copies of `stages` K x K int4 matrices
     (consecutive launches read different copies, so that the weights come from HBM), levels random,
-    steps keeping x at unit scale."""
+    steps keeping x at unit scale; `rows` rows of a stage per program."""
 
-    ROWS = 16
-
-    def __init__(self, k: int, stages: int, sets: int, device: str):
+    def __init__(self, k: int, stages: int, sets: int, device: str, rows: int = 16):
         g = torch.Generator(device).manual_seed(0)
         levels = torch.randint(-8, 8, (sets * stages * k, k), generator=g, device=device)
         self.words = pack_levels(levels).reshape(sets, stages, k, k // 8)
@@ -129,12 +185,19 @@ class StageChain:
         self.x = torch.zeros(stages + 1, k, device=device)
         self.x[0] = torch.randn(k, generator=g, device=device)
         self.counters = torch.zeros(stages, dtype=torch.int32, device=device)
-        self.k, self.sets = k, sets
+        self.k, self.sets, self.rows = k, sets, rows
 
     def one_kernel(self, stages: int, preload: bool, epoch: int) -> None:
         """The first `stages` stages of copy (epoch - 1) % sets in one launch, handed on through
         the counters; `epoch` counts the launches since the counters were zeroed (from 1)."""
         self._launch((epoch - 1) % self.sets, 0, stages, epoch, preload)
+
+    def persistent(self, stages: int, load_poll: bool, epoch: int) -> None:
+        """As :meth:`one_kernel`, by :func:`_persistent_stage_kernel` (K / ROWS programs in all)."""
+        _persistent_stage_kernel[(self.k // self.rows,)](
+            self.x, self.words[(epoch - 1) % self.sets], self.steps[(epoch - 1) % self.sets], self.counters,
+            stages, epoch, K=self.k, K_POW2=triton.next_power_of_2(self.k), ROWS=self.rows, LOAD_POLL=load_poll,
+            num_warps=4)
 
     def kernel_per_stage(self, stages: int, r: int) -> None:
         """The first `stages` stages of copy r as one launch each, chained by PDL where the device has it."""
@@ -143,9 +206,9 @@ class StageChain:
 
     def _launch(self, r: int, first_stage: int, stages: int, epoch: int, preload: bool) -> None:
         """One :func:`_stage_kernel` launch over `stages` stages of copy r from `first_stage` on."""
-        _stage_kernel[(stages * (self.k // self.ROWS),)](
+        _stage_kernel[(stages * (self.k // self.rows),)](
             self.x, self.words[r], self.steps[r], self.counters, first_stage, epoch, K=self.k,
-            K_POW2=triton.next_power_of_2(self.k), ROWS=self.ROWS, PRELOAD=preload, num_warps=4,
+            K_POW2=triton.next_power_of_2(self.k), ROWS=self.rows, PRELOAD=preload, num_warps=4,
             **pdl_launch(self.x, 1))
 
     def matches_reference(self, stages: int, r: int) -> bool:
@@ -154,16 +217,31 @@ class StageChain:
         return torch.allclose(self.x[: stages + 1].cpu(), ref, rtol=1e-3, atol=1e-3)
 
 
-def stages_us(stage_counts: list[int], k: int = 1536, sets: int = 12) -> list[tuple[int, float, float, float]]:
-    """Per S: µs per launch of S stages as S PDL-chained kernels, as one kernel with the weights
-    loaded before the counter wait, and after it; each a CUDA graph over `sets` weight copies."""
-    chain = StageChain(k, max(stage_counts), sets, "cuda")
+STAGE_DESIGNS = ("kernel per stage, PDL", "one kernel, preloaded", "one kernel, loaded after wait",
+                 "persistent, load polls", "persistent, atomic polls")
+
+
+def _stage_launchers(chain: StageChain, stages: int) -> list:
+    """One launcher per entry of STAGE_DESIGNS: r -> launch r (from 0) of `stages` stages since the
+    counters were zeroed."""
+    return [
+        lambda r: chain.kernel_per_stage(stages, r),
+        lambda r: chain.one_kernel(stages, True, r + 1),
+        lambda r: chain.one_kernel(stages, False, r + 1),
+        lambda r: chain.persistent(stages, True, r + 1),
+        lambda r: chain.persistent(stages, False, r + 1),
+    ]
+
+
+def stages_us(stage_counts: list[int], rows: int, k: int = 1536, sets: int = 12) -> list[tuple[int, ...]]:
+    """Per S: µs per launch of S stages in each of STAGE_DESIGNS (`rows` rows of a stage per
+    program), each timed as a CUDA graph of launches over `sets` weight copies."""
+    chain = StageChain(k, max(stage_counts), sets, "cuda", rows)
     rows = []
     for stages in stage_counts:
-        variants = [lambda r: chain.kernel_per_stage(stages, r)]
-        variants += [lambda r, preload=preload: chain.one_kernel(stages, preload, r + 1) for preload in (True, False)]
+        variants = _stage_launchers(chain, stages)
         times = []
-        for launch in variants:
+        for design, launch in zip(STAGE_DESIGNS, variants):
             chain.counters.zero_()
             launch(0)  # compile outside the capture
             graph = torch.cuda.CUDAGraph()
@@ -172,7 +250,7 @@ def stages_us(stage_counts: list[int], k: int = 1536, sets: int = 12) -> list[tu
                 for r in range(sets):
                     launch(r)
             times.append(time_ms(graph.replay) * 1000 / sets)
-            assert chain.matches_reference(stages, sets - 1), f"{stages} stages: the chain went wrong"
+            assert chain.matches_reference(stages, sets - 1), f"{design}, {stages} stages: the chain went wrong"
         rows.append((stages, *times))
     return rows
 
@@ -187,6 +265,11 @@ def check_stages() -> None:
         assert chain.matches_reference(3, epoch - 1), f"one kernel, preload={preload}: wrong chain"
     chain.kernel_per_stage(2, 1)
     assert chain.matches_reference(2, 1), "kernel per stage: wrong chain"
+    if device == "cuda":  # the interpreter runs one program at a time: a persistent one would wait forever
+        chain.counters.zero_()
+        for epoch, load_poll in ((1, True), (2, False)):
+            chain.persistent(3, load_poll, epoch)
+            assert chain.matches_reference(3, epoch - 1), f"persistent, load_poll={load_poll}: wrong chain"
     print("stage kernel matches its reference")
 
 
@@ -236,6 +319,7 @@ def main() -> None:
     parser.add_argument("--kernels", type=int, default=500)
     parser.add_argument("--barriers", type=int, default=2000)
     parser.add_argument("--stages", default="1,2,4,8", help="stage counts of the GEMV hand-off comparison")
+    parser.add_argument("--rows", type=int, default=16, help="rows of a GEMV stage per program (divides 1536)")
     parser.add_argument("--check", action="store_true", help="only check the stage kernel against its reference")
     args = parser.parse_args()
     if args.check:
@@ -245,10 +329,10 @@ def main() -> None:
     print(f"kernel boundary in a CUDA graph, no PDL: {chain_us(args.kernels, False):6.2f} µs")
     print(f"kernel boundary in a CUDA graph, PDL:    {chain_us(args.kernels, True):6.2f} µs")
     print(f"grid barrier, one program per SM:        {barrier_us(args.barriers):6.2f} µs")
-    print("\nS dependent 1536 x 1536 int4 GEMV stages, µs per launch of S stages:")
-    print(f"{'S':>3} {'kernel per stage, PDL':>22} {'one kernel, preloaded':>22} {'one kernel, loaded after wait':>30}")
-    for stages, per_kernel, preloaded, after in stages_us([int(v) for v in args.stages.split(",")]):
-        print(f"{stages:>3} {per_kernel:>22.2f} {preloaded:>22.2f} {after:>30.2f}")
+    print(f"\nS dependent 1536 x 1536 int4 GEMV stages, {args.rows} rows per program, µs per launch of S stages:")
+    print(f"{'S':>3} " + " ".join(f"{design:>30}" for design in STAGE_DESIGNS))
+    for stages, *times in stages_us([int(v) for v in args.stages.split(",")], args.rows):
+        print(f"{stages:>3} " + " ".join(f"{t:>30.2f}" for t in times))
 
 
 if __name__ == "__main__":
