@@ -39,6 +39,7 @@ fi
 if want profile; then
     timeout 150 python3 tools/profile_step.py --depth 512 2>&1 | tee "$OUT/profile_step.log" | head -40
     timeout 150 python3 tools/decode_spread.py --draws 3 2>&1 | tee "$OUT/decode_spread.log" | grep draw
+    timeout 150 python3 tools/bench_sampling.py 2>&1 | tee "$OUT/bench_sampling.log" | tail -12
 fi
 if want bench; then
     export QAT4_TILINGS=$OUT/decode_tilings.json   # tuned here, picked up by the runs below
