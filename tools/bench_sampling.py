@@ -3,64 +3,30 @@
     python tools/bench_sampling.py [--model synthetic:e2b] [--new 256]
 
 Builds the engine on the GPU (pinning the tilings of ``$QAT4_TILINGS`` when it is set) and prints
-µs per graph replay of the decode step for greedy decoding (the argmax fused into the output layer),
-top_k 64 and the whole vocabulary; then µs per launch, as CUDA graphs of 50 launches, of the output
-layer with the fused argmax and with logits, `torch.topk` (k = 64) and `torch.sort` over the
-vocabulary, and the whole draw with top_k 64 and over the vocabulary; then `Engine.generate`'s
-decode tok/s for greedy decoding, Gemma's defaults (temperature 1.0, top_k 64, top_p 0.95) and
-top_k 0, after a 512-token prompt.
+µs per graph replay of the decode step (qat4.decode_tuning.step_time_us) for greedy decoding (the
+argmax fused into the output layer), top_k 64 and the whole vocabulary; then µs per launch, median
+of CUDA graphs of 50 launches (tools/bench_w4.py's graph_time_us), of the output layer with the
+fused argmax and with logits, `torch.topk` (k = 64) and `torch.sort` over the vocabulary, and the
+whole draw with top_k 64 and over the vocabulary; then `Engine.generate`'s decode tok/s for greedy
+decoding, Gemma's defaults (temperature 1.0, top_k 64, top_p 0.95) and top_k 0, after a 512-token
+prompt.
 """
 
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench_w4 import graph_time_us  # noqa: E402
 from qat4.commands.bench import load_packed_for_bench  # noqa: E402
+from qat4.decode_tuning import step_time_us  # noqa: E402
 from qat4.engine import GREEDY, Engine  # noqa: E402
 from qat4.sampling import sample  # noqa: E402
 
-
-def graph_us(fn, launches: int = 50) -> float:
-    """µs per call of fn, captured `launches` times in one CUDA graph (best of 5 replays)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    best = float("inf")
-    for _ in range(6):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        graph.replay()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / launches * 1e6)
-    return best
-
-
-def step_us(engine: Engine, key: object, replays: int = 300) -> float:
-    """µs per graph replay of the decode step for sampling key `key` (GREEDY or a top_k)."""
-    step = engine.step
-    step.prepare(key)
-    step.token.fill_(5)
-    step.pos.fill_(100)
-    for _ in range(10):
-        step.run(key)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(replays):
-        step.run(key)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / replays * 1e6
+LAUNCHES = 50  # launches of an op per captured graph
 
 
 @torch.no_grad()
@@ -73,7 +39,7 @@ def main() -> None:
     engine = Engine.from_packed(load_packed_for_bench(args.model, device, seed=0), device, max_ctx=4096)
     model = engine.model
     for key, label in ((GREEDY, "greedy"), (64, "top_k 64"), (None, "whole vocabulary")):
-        print(f"decode step, {label:>16}: {step_us(engine, key):8.1f} µs per replay")
+        print(f"decode step, {label:>16}: {step_time_us(engine.step, key, replays=300):8.1f} µs per replay")
 
     h = torch.randn(1, model.config.hidden_size, device=device, dtype=engine.dtype)
     logits = model.logits(h)[0]
@@ -88,7 +54,8 @@ def main() -> None:
         "draw, whole vocabulary": lambda: sample(logits, uniform, temperature, top_p, None),
     }
     for label, fn in ops.items():
-        print(f"{label:>28}: {graph_us(fn):8.1f} µs")
+        us = graph_time_us(lambda fn=fn: [fn() for _ in range(LAUNCHES)], LAUNCHES)
+        print(f"{label:>28}: {us:8.1f} µs")
 
     prompt = list(range(10, 522))
     settings = {"greedy": {"temperature": 0}, "Gemma's defaults": {"temperature": 1.0, "top_k": 64, "top_p": 0.95},
