@@ -34,6 +34,7 @@ launches 8 warps per SM.
 
 import functools
 import os
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -50,6 +51,7 @@ from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
 
 MAX_MATVEC_ROWS = 16  # w4_linear uses the GEMV up to this many rows of x
 _REFERENCE_CHUNK = 1 << 22  # dequantised weights per chunk of the references (16 MiB in fp32)
+_REFERENCE_ROWS = 16  # rows of x per matrix product of the references
 _MAX_SLOTS = 1 << 12  # split-K ticket counters per device (row blocks x row-of-x blocks)
 _MAX_PARTIALS = 1 << 20  # split-K fp32 partial sums per device (4 MiB)
 PLAIN, GELU_PAIRS, GELU_UP = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # GEMV / GEMM epilogues
@@ -59,24 +61,47 @@ PLAIN, GELU_PAIRS, GELU_UP = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  
 # References
 
 
-def _dequantized_row_chunks(packed: torch.Tensor, scales: torch.Tensor):
-    """Yield (first row, fp32 [rows, K]) chunks of W, at most _REFERENCE_CHUNK weights each."""
+_KEPT: dict[int, tuple[torch.Tensor, list]] = {}  # id(packed words) -> (scales, chunks), dropped with the words
+KEPT_BYTES = 1 << 30  # dequantised CPU weights the references keep between calls
+
+
+def _dequantized_row_chunks(packed: torch.Tensor, scales: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """(first row, fp32 [rows, K]) chunks of W, at most _REFERENCE_CHUNK weights each.
+
+    On the CPU the chunks of a matrix are kept (while its packed words live, up to KEPT_BYTES in
+    all, first come first kept), so a decode step does not unpack every matrix again.
+    """
+    kept = _KEPT.get(id(packed))
+    if kept is not None and kept[0] is scales:
+        return kept[1]
     n, kw = packed.shape
     step = max(1, _REFERENCE_CHUNK // (kw * 8))
-    for r0 in range(0, n, step):
-        yield r0, dequantize(packed[r0 : r0 + step], scales[r0 : r0 + step])
+    chunks = [(r0, dequantize(packed[r0 : r0 + step], scales[r0 : r0 + step])) for r0 in range(0, n, step)]
+    held = sum(w.numel() * 4 for _, parts in _KEPT.values() for _, w in parts)
+    if packed.device.type == "cpu" and held + n * kw * 32 <= KEPT_BYTES:
+        _KEPT[id(packed)] = (scales, chunks)
+        weakref.finalize(packed, _KEPT.pop, id(packed), None)
+    return chunks
 
 
 def _reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float | None, dtype):
-    """fp32 ``x @ W.T`` (optionally softcapped) in row chunks of W -> [M, N] in `dtype`."""
+    """fp32 ``x @ W.T`` (optionally softcapped) in row chunks of W -> [M, N] in `dtype`.
+
+    Rows of x go through the products _REFERENCE_ROWS at a time, zero-padded: a matrix product
+    may round a row differently with other rows beside it (its blocking follows the shape), so a
+    fixed shape makes each row's result independent of its batch, as a batched engine needs.
+    """
     _check(x, packed, scales)
-    out = torch.empty(x.shape[0], packed.shape[0], dtype=dtype, device=x.device)
-    xf = x.float()
+    m = x.shape[0]
+    out = torch.empty(m, packed.shape[0], dtype=dtype, device=x.device)
+    xf = torch.zeros(-(-m // _REFERENCE_ROWS) * _REFERENCE_ROWS, x.shape[1], device=x.device)
+    xf[:m] = x.float()
     for r0, w in _dequantized_row_chunks(packed, scales):
-        z = xf @ w.T
-        if softcap is not None:
-            z = softcap * torch.tanh(z / softcap)
-        out[:, r0 : r0 + w.shape[0]] = z.to(dtype)
+        for m0 in range(0, m, _REFERENCE_ROWS):
+            z = xf[m0 : m0 + _REFERENCE_ROWS] @ w.T
+            if softcap is not None:
+                z = softcap * torch.tanh(z / softcap)
+            out[m0 : m0 + _REFERENCE_ROWS, r0 : r0 + w.shape[0]] = z[: m - m0].to(dtype)
     return out
 
 
