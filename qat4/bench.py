@@ -19,7 +19,7 @@ import torch
 from qat4.checkpoint.packed_model import expected_tensors
 from qat4.checkpoint.packing import GROUP
 from qat4.config import Gemma4Config
-from qat4.engine import GREEDY, Engine
+from qat4.engine import Engine
 
 MIB = 1 << 20
 ROW_LOOKUPS = ("embed_tokens_per_layer", "embed_tokens")
@@ -114,45 +114,34 @@ def _timed(device: torch.device, fn, times: int = 1) -> float:
 
 
 @torch.no_grad()
-def fill(engine: Engine, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """Prefill `tokens` from position `start` in the engine's chunks; returns the last hidden [1, D]."""
-    h = None
-    for s in range(0, tokens.numel(), engine.prefill_chunk):
-        h = engine.model.prefill(tokens[s : s + engine.prefill_chunk], start + s, engine.cache)
-    return h[-1:]
-
-
-@torch.no_grad()
 def time_prompt(engine: Engine, n: int, generator: torch.Generator) -> tuple[float, float]:
-    """(prompt tok/s, time to first token in ms) for an n-token prompt from an empty cache;
+    """(prompt tok/s, time to first token in ms) for an n-token prompt read from an empty pool;
     the best of two passes after a first one that compiles and tunes the kernels."""
     ids = _random_ids(engine, n, generator)
     results = []
     for _ in range(3):
-        engine.cache.reset()
-        hidden = []
-        read = _timed(engine.device, lambda: hidden.append(fill(engine, ids)))
-        first = _timed(engine.device, lambda: engine.model.argmax(hidden[0]).item())
-        results.append((n / read, (read + first) * 1e3))
+        first = engine.generate(ids, max_new_tokens=1, temperature=0, stop_token_ids=[]).prefill_ms
+        results.append((n / first * 1e3, first))
     return max(results[1:], key=lambda r: r[0])
+
+
+def decode_tokens(new: int) -> int:
+    """Tokens a decode measurement of `new` steps generates: the first token, then at least two
+    decode steps (one interval alone gives no rate)."""
+    return max(new, 2) + 1
 
 
 @torch.no_grad()
 def time_decode(engine: Engine, depth: int, new: int, generator: torch.Generator) -> float:
-    """Seconds per decoded token, averaged over `new` greedy decode steps (graph replays on
-    CUDA) with `depth` tokens already held."""
-    engine.cache.reset()
-    if depth:
-        fill(engine, _random_ids(engine, depth, generator))
-    step = engine.step
-    step.token.copy_(_random_ids(engine, 1, generator))
-    step.pos.fill_(depth)
-    step.run(GREEDY)  # one warm step
-    return _timed(engine.device, lambda: step.run(GREEDY), times=new) / new
+    """Seconds per decoded token over `new` (at least 2) greedy decode steps of one sequence (graph
+    replays on CUDA, through the engine's step loop) with `depth` tokens already held."""
+    ids = _random_ids(engine, max(depth, 1), generator)
+    out = engine.generate(ids, max_new_tokens=decode_tokens(new), temperature=0, stop_token_ids=[])
+    return 1 / out.decode_tok_s
 
 
-def _random_ids(engine: Engine, n: int, generator: torch.Generator) -> torch.Tensor:
-    return torch.randint(3, engine.config.vocab_size, (n,), generator=generator).to(engine.device)
+def _random_ids(engine: Engine, n: int, generator: torch.Generator) -> list[int]:
+    return torch.randint(3, engine.config.vocab_size, (n,), generator=generator).tolist()
 
 
 def run(engine: Engine, model_name: str, depths: list[int], new: int, prompt: int,
@@ -167,7 +156,6 @@ def run(engine: Engine, model_name: str, depths: list[int], new: int, prompt: in
     if device.type == "cuda":  # the bandwidth buffer is the benchmark's, not the engine's: left out of the peak
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    engine.step.prepare(GREEDY)
     log(f"reading a {prompt}-token prompt")
     prompt_tok_s, ttft = time_prompt(engine, prompt, g)
     weights = weight_bytes_per_token(engine.config)
@@ -178,13 +166,12 @@ def run(engine: Engine, model_name: str, depths: list[int], new: int, prompt: in
         prompt_tok_s=prompt_tok_s, ttft_ms=ttft, prefill_chunk=engine.prefill_chunk, memory_cap_mib=memory_cap_mib,
     )
     for depth in depths:
-        depth = min(depth, engine.max_ctx - new - 1)
+        depth = min(depth, engine.max_ctx - decode_tokens(new))
         log(f"decoding {new} tokens at depth {depth}")
         sec = time_decode(engine, depth, new, g)
         nbytes = weights + kv_bytes_per_token(engine, depth)
         report.depths.append(DepthResult(depth, 1 / sec, sec * 1e3, nbytes, bandwidth / nbytes))
     report.peak_mib = max(peak_before, _peak_mib(device))
-    engine.cache.reset()
     return report
 
 

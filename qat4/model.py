@@ -14,23 +14,36 @@ L layers, P per-layer-input width, V vocabulary. Spec: docs/gemma4-e2b.md §3-4.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol
 
 import torch
 
-from qat4.cache import KV, KVCache
 from qat4.checkpoint.packed_model import PackedModel
 from qat4.checkpoint.packing import PackedTensor
 from qat4.errors import Qat4Error
-from qat4.ops.attention import decode_attention, prefill_attention
+from qat4.ops.attention import PagedSeqs, paged_attention
 from qat4.ops.norms import qk_norm_rope, qk_norm_rope_store, rms_norm, rope_cos_sin_cache, rope_inv_freq
 from qat4.ops.w4_embedding import w4_embedding
 from qat4.ops.w4_linear import ResidualStep, w4_argmax, w4_linear, w4_linear_gelu, w4_linear_residual, w4_logits
 
-Attend = Callable[["Layer", torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
-"""(layer, q [T, H, d], k [T, 1, d] | None, v [T, 1, d] | None) -> attention output [T, H, d].
-q, k, v come straight from the projection: the callback applies head norms and RoPE
-(:meth:`Gemma4.norm_rope`), stores k and v in the cache and attends."""
+class Pages(Protocol):
+    """The KV pages a forward reads and writes (:class:`qat4.engine.kv_cache.KVPool`): K and V
+    [rows, d] of each KV-owning layer, a block table per layer type, the block size."""
+
+    k: dict[int, torch.Tensor]
+    v: dict[int, torch.Tensor]
+    tables: dict[str, torch.Tensor]
+    block_size: int
+
+
+@dataclass
+class ForwardBatch:
+    """Where a flat batch of tokens sits in the KV pool: the sequences' query layout for the
+    attention (:class:`qat4.ops.attention.PagedSeqs`) and, per layer type, the pool row [T] int64
+    each token's keys are written to."""
+
+    seqs: PagedSeqs
+    store_rows: dict[str, torch.Tensor]
 
 
 def linear(x: torch.Tensor, w: PackedTensor) -> torch.Tensor:
@@ -82,9 +95,9 @@ class Layer:
 class Gemma4:
     """The text decoder on one device in one compute dtype.
 
-    ``prefill`` runs a chunk of tokens at consecutive positions and fills the cache; ``decode``
-    runs one token whose position is a device tensor (graph-capturable). Both return the
-    final-normed hidden states; ``logits`` / ``argmax`` apply the output layer and softcap.
+    ``forward`` runs a flat batch of tokens of any number of sequences over a paged KV pool and
+    returns the final-normed hidden states; ``logits`` / ``argmax`` apply the output layer and
+    softcap.
     """
 
     def __init__(self, model: PackedModel, device: torch.device | str, dtype: torch.dtype, max_positions: int):
@@ -194,19 +207,30 @@ class Gemma4:
         context = rms_norm(context.view(T, L, P), self.ple_norm, self.eps)
         return h, (context + token_part.view(T, L, P)) * 2**-0.5
 
-    def norm_rope(self, layer: Layer, q, k, v, positions):
-        """Head norms + RoPE of a layer's q [T, H, d] (and k, v [T, 1, d] when it owns its KV)."""
-        return qk_norm_rope(q, k, v, positions, self.rope[layer.kind], layer.q_norm, layer.k_norm, self.eps)
+    def _attention(self, layer: Layer, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                   positions: torch.Tensor, pages: Pages, batch: ForwardBatch) -> torch.Tensor:
+        """q [T, H, d] (and k, v [T, 1, d] when the layer owns its KV) straight from the projection
+        -> attention output [T, H, d]: head norms and RoPE, k and v stored at the tokens' pool rows,
+        then attention over the KV source's pages."""
+        rope = self.rope[layer.kind]
+        if layer.owns_kv:
+            q = qk_norm_rope_store(q, k, v, positions, rope, layer.q_norm, layer.k_norm, pages.k[layer.index],
+                                   pages.v[layer.index], batch.store_rows[layer.kind], self.eps)
+        else:
+            q, _, _ = qk_norm_rope(q, None, None, positions, rope, layer.q_norm, None, self.eps)
+        source = self.config.kv_source(layer.index)
+        return paged_attention(q, pages.k[source], pages.v[source], pages.tables[layer.kind], pages.block_size,
+                               batch.seqs, window=layer.window)
 
     def _block(self, layer: Layer, h: torch.Tensor, x: torch.Tensor, ple: torch.Tensor, positions: torch.Tensor,
-               attend: Attend, next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               pages: Pages, batch: ForwardBatch, next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer, spec §3.4: h [T, D] and its input norm x -> (h out, RMSNorm_next_norm(h out))."""
         T, H, d, eps = h.shape[0], self.heads, layer.head_dim, self.eps
         qkv = linear(x, layer.qkv)
         q = qkv[:, : H * d].view(T, H, d)
         k = qkv[:, H * d : (H + 1) * d].view(T, 1, d) if layer.owns_kv else None
         v = qkv[:, (H + 1) * d :].view(T, 1, d) if layer.owns_kv else None
-        o = attend(layer, q, k, v)
+        o = self._attention(layer, q, k, v, positions, pages, batch)
         h, x = linear_residual(o.reshape(T, H * d), layer.o_proj,
                                ResidualStep(h, layer.post_attention_norm, next_weight=layer.pre_feedforward_norm, eps=eps))
         h, _ = linear_residual(linear_gelu(x, layer.gate_up), layer.down,
@@ -214,49 +238,21 @@ class Gemma4:
         gated = linear_gelu(h, layer.ple_gate, ple[:, layer.index])
         return linear_residual(gated, layer.ple_proj, ResidualStep(h, layer.post_ple_norm, layer.scalar, next_norm, eps))
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, pages: Pages, batch: ForwardBatch) -> torch.Tensor:
+        """ids [T] at positions [T] (int64, on the device) -> final-normed hidden [T, D].
+
+        The tokens of any number of sequences in one flat batch (``batch``): a decode step (one
+        token per sequence), prompt chunks, or both. Every KV-owning layer writes the tokens' keys
+        and values at their pool rows before any layer attends. Shapes and launches depend on T
+        and the batch's host bounds only, so a decode batch is captured once and replayed at
+        every position.
+        """
         h, ple = self.embed(ids)
         x = rms_norm(h, self.layers[0].input_norm, self.eps)
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm in zip(self.layers, next_norms):
-            h, x = self._block(layer, h, x, ple, positions, attend, next_norm)
+            h, x = self._block(layer, h, x, ple, positions, pages, batch, next_norm)
         return x
-
-    def prefill(self, ids: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
-        """ids [T] at positions start .. start+T-1 -> final-normed hidden [T, D]; fills the cache.
-
-        KV-shared layers attend over exactly what their source layer attended over in this chunk
-        (for a sliding source: its ring before the chunk, then the chunk), as transformers does.
-        """
-        positions = cache.positions[start : start + ids.shape[0]]
-        seen: dict[int, KV] = {}
-
-        def attend(layer: Layer, q, k, v):
-            q, k, v = self.norm_rope(layer, q, k, v, positions)
-            if layer.owns_kv:
-                seen[layer.index] = cache.prefill(layer.index, k[:, 0], v[:, 0], start)
-            keys, values, key_pos = seen[self.config.kv_source(layer.index)]
-            return prefill_attention(q, keys, values, positions, key_pos, window=layer.window)
-
-        return self._forward(ids, positions, attend)
-
-    def decode(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """ids [1] at position ``pos`` ([1] int64 on the device) -> final-normed hidden [1, D].
-
-        Shapes and launches do not depend on the position: one capture serves every step.
-        """
-
-        def attend(layer: Layer, q, k, v):
-            if layer.owns_kv:
-                kv = cache.layers[layer.index]
-                q = qk_norm_rope_store(q, k, v, pos, self.rope[layer.kind], layer.q_norm, layer.k_norm,
-                                       kv.k, kv.v, kv.slot_pos, self.eps)
-            else:
-                q, _, _ = self.norm_rope(layer, q, None, None, pos)
-            keys, values, slot_pos = cache.view(layer.index)
-            return decode_attention(q[0], keys, values, pos, window=layer.window, slot_pos=slot_pos)[None]
-
-        return self._forward(ids, pos, attend)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-normed h [T, D] -> softcapped logits [T, V] fp32."""

@@ -1,24 +1,28 @@
 """Shared pieces of the server tests: the tiny synthetic model, a scripted engine, a live server.
 
-`ScriptedEngine` has the surface the server uses from `qat4.engine.Engine` (tokenizer, config,
-max_ctx, encode, stream) and replays a given reply text as the real tokenizer's ids, so tool calls,
-thinking and timing-sensitive behaviour (queueing, cancellation) can be checked exactly.
+`ScriptedEngine` has the surface the server uses from `qat4.engine.Engine` and replays a given
+reply text as the real tokenizer's ids, so tool calls, thinking and timing-sensitive behaviour
+(batching, queueing, cancellation) can be checked exactly.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+import types
+from collections.abc import Callable
 
 import tokenizers
 import uvicorn
 
 from qat4.checkpoint.synth import synthetic_aux, synthetic_model
 from qat4.config import PRESETS
-from qat4.engine import DEFAULT_STOP_IDS, Engine
+from qat4.engine import DEFAULT_STOP_IDS, Engine, SamplingParams, StepOutput
+from qat4.engine.sequence import Sequence, State
+from qat4.errors import Qat4Error
 from qat4.tokenizer import Tokenizer
 
 TINY_MAX_CTX = 512
@@ -38,45 +42,81 @@ def tiny_engine() -> Engine:
 
 
 class ScriptedEngine:
-    """Replays `reply` (text with special tokens) as token ids, `delay` seconds per token.
+    """Replays `reply` (text with special tokens) as token ids, `delay` seconds per step.
 
-    After the scripted ids it keeps producing `filler` until max_new_tokens, unless the reply
-    ended in a stop token. Every prompt it is asked to continue is kept in `prompts`; `produced`
-    counts the ids it yielded, `error` (when set) is raised instead of generating.
+    It has the surface the server uses from `qat4.engine.Engine` (tokenizer, config, max_ctx,
+    encode, check_request, add_request, step, abort, has_work, scheduler.running/waiting,
+    pool.usage) and batches like it: up to `max_num_seqs` sequences run, the rest wait. After the
+    scripted ids a sequence keeps producing `filler` until max_new_tokens, unless the reply ended
+    in a stop token. Every prompt that starts running is kept in `prompts`; `produced` counts the
+    ids it produced; `error` (when set) is raised by add_request instead of queueing.
     """
 
-    def __init__(self, reply: str = "", *, delay: float = 0.0, max_ctx: int = 4096):
+    def __init__(self, reply: str = "", *, delay: float = 0.0, max_ctx: int = 4096, max_num_seqs: int = 1):
         self.tokenizer = tiny_tokenizer()
         self.config = PRESETS["tiny"]
-        self.max_ctx = max_ctx
+        self.max_ctx, self.max_num_seqs = max_ctx, max_num_seqs
         self.reply, self.delay, self.error = reply, delay, None
         self.filler = self.tokenizer.encode(" more")[-1]
         self.prompts: list[list[int]] = []
         self.produced = 0
+        self.scheduler = types.SimpleNamespace(running=[], waiting=collections.deque())
+        self.pool = types.SimpleNamespace(usage=lambda: {"full_attention": 0.0})
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         return Engine.encode(self, prompt)
+
+    def check_request(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        if prompt_tokens + max_new_tokens > self.max_ctx:
+            raise Qat4Error(f"{prompt_tokens} + {max_new_tokens} tokens are more than the context of {self.max_ctx}")
 
     def prompt_text(self, index: int = -1) -> str:
         """The text of a prompt the engine was given."""
         return self.tokenizer.decode(self.prompts[index])
 
-    def stream(self, prompt: str | list[int], max_new_tokens: int = 256, temperature: float | None = None,
-               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-               stop_token_ids: list[int] | None = None,
-               should_stop: Callable[[], bool] | None = None) -> Iterator[int]:
-        ids = self.encode(prompt)
-        self.prompts.append(ids)
+    def add_request(self, prompt, max_new_tokens=256, temperature=None, top_k=None, top_p=None, seed=None,
+                    stop_token_ids=None) -> Sequence:
         if self.error is not None:
             raise self.error
+        stops = frozenset(DEFAULT_STOP_IDS if stop_token_ids is None else stop_token_ids)
+        seq = Sequence(self.encode(prompt), SamplingParams(), 0, max_new_tokens, stops)
+        self.scheduler.waiting.append(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        for queue in (self.scheduler.running, self.scheduler.waiting):
+            if seq in queue:
+                queue.remove(seq)
+        seq.state, seq.finish_reason = State.FINISHED, seq.finish_reason or "abort"
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def drain(self) -> None:
+        while self.has_work:
+            self.step()
+
+    def step(self) -> list[StepOutput]:
+        running, waiting = self.scheduler.running, self.scheduler.waiting
+        while waiting and len(running) < self.max_num_seqs:
+            seq = waiting.popleft()
+            seq.state, seq.started = State.RUNNING, time.perf_counter()
+            self.prompts.append(seq.prompt)
+            running.append(seq)
+        time.sleep(self.delay)
         script = self.tokenizer.encode(self.reply)
-        for i in range(max_new_tokens):
+        outputs = []
+        for seq in list(running):
+            i = len(seq.output)
             token = script[i] if i < len(script) else self.filler
-            time.sleep(self.delay)
+            seq.pending += 1
             self.produced += 1
-            yield token
-            if token in DEFAULT_STOP_IDS or (should_stop is not None and should_stop()):
-                return
+            done = seq.accept(token, time.perf_counter())
+            if done:
+                self.abort(seq)
+            outputs.append(StepOutput(seq, token, done))
+        return outputs
 
 
 class LiveServer:
@@ -88,6 +128,7 @@ class LiveServer:
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
+        self.app = app
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from qat4 import decode_tuning as dt
+from qat4.engine import tuning as dt
 
 A, B = ("a",), ("b",)
 

@@ -16,8 +16,8 @@ from qat4.cli import main
 from qat4.config import TINY
 from qat4.engine import Engine
 from qat4.errors import Qat4Error
+from qat4.engine.sampler import SamplingParams, keep_shape, sample, uniforms
 from qat4.model import dtype_round
-from qat4.sampling import SamplingParams, sample
 
 PROMPT = "The capital of France is"
 
@@ -44,7 +44,7 @@ def test_load_reads_folder(engine):
     assert engine.model.output is engine.model.embed_tokens  # the emb4 lm_head copy is loaded once
     params = engine.sampling_params()
     assert (params.temperature, params.top_k, params.top_p) == (1.0, 64, 0.95)  # generation_config.json
-    assert engine.nbytes["kv_cache"] == engine.cache.nbytes > 0
+    assert engine.nbytes["kv_cache"] == engine.pool.nbytes > 0
 
 
 def test_default_context_is_the_models(checkpoint):
@@ -66,6 +66,7 @@ def test_generate_text_and_ids(engine, greedy):
     assert greedy.prompt_tokens == len(engine.encode(PROMPT))
     assert greedy.text == engine.tokenizer.decode(greedy.tokens)
     assert greedy.decode_steps == 7 and greedy.prefill_ms > 0 and greedy.decode_ms > 0 and greedy.decode_tok_s > 0
+    assert engine.generate(PROMPT, max_new_tokens=2, temperature=0, stop_token_ids=[]).decode_tok_s is None
     by_ids = engine.generate(engine.encode(PROMPT), max_new_tokens=8, temperature=0, stop_token_ids=[])
     assert by_ids.tokens == greedy.tokens
 
@@ -141,8 +142,12 @@ def test_embedding_scale_rounding():
 
 
 def _sample(logits, u, temperature=1.0, top_p=1.0, top_k=None):
-    f = lambda v: torch.tensor([v], dtype=torch.float32)  # noqa: E731
-    return int(sample(torch.tensor(logits, dtype=torch.float32), f(u), f(temperature), f(top_p), top_k))
+    logits = torch.tensor([logits], dtype=torch.float32)
+    v = logits.shape[-1]
+    f = lambda x: torch.tensor([x], dtype=torch.float32)  # noqa: E731
+    k = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p).effective_top_k(v)
+    keep = keep_shape([k], v) if k > 1 else v
+    return int(sample(logits, f(temperature), torch.tensor([k]), f(top_p), torch.tensor([u], dtype=torch.float64), keep))
 
 
 def test_sample_inverts_the_cdf():
@@ -178,9 +183,40 @@ def test_sample_draws_by_integer_weights_over_a_flat_vocabulary():
 
 def test_sampling_params():
     assert SamplingParams(temperature=0).greedy and SamplingParams(top_k=1).greedy
-    assert SamplingParams(top_k=0).effective_top_k(100) is None
-    assert SamplingParams(top_k=100).effective_top_k(100) is None
+    assert SamplingParams(top_k=0).effective_top_k(100) == 100
+    assert SamplingParams(top_k=100).effective_top_k(100) == 100
     assert SamplingParams(top_k=64).effective_top_k(100) == 64
+    assert SamplingParams(temperature=0, top_k=64).effective_top_k(100) == 1
+    assert keep_shape([1, 1], 1000) == 1 and keep_shape([1, 64], 1000) == 64 and keep_shape([65], 1000) == 128
+    assert keep_shape([3], 1000) == 64 and keep_shape([600], 1000) == 1000
+
+
+def test_rows_sample_with_their_own_parameters():
+    """One batch, four rows: greedy, top-k, top-p and plain temperature each get what they would
+    alone, whatever the other rows ask for."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 500, generator=g) * 3
+    temperature = torch.tensor([0.0, 0.7, 1.3, 1.0])
+    top_k = torch.tensor([1, 8, 500, 500])
+    top_p = torch.tensor([1.0, 1.0, 0.5, 1.0])
+    u = torch.tensor([0.3, 0.9, 0.6, 0.99], dtype=torch.float64)
+    batch = sample(logits, temperature, top_k, top_p, u, 500)
+    for r in range(4):
+        alone = sample(logits[r : r + 1], temperature[r : r + 1], top_k[r : r + 1], top_p[r : r + 1], u[r : r + 1], 500)
+        assert int(batch[r]) == int(alone[0])
+    assert int(batch[0]) == int(logits[0].argmax())
+    assert int(batch[1]) in logits[1].topk(8).indices.tolist()
+
+
+def test_uniforms_are_a_function_of_seed_and_position():
+    seeds = torch.tensor([7, 7, 8, (1 << 62) + 7])
+    positions = torch.tensor([100, 101, 100, 100])
+    u = uniforms(seeds, positions)
+    assert u.dtype == torch.float64 and bool(((u >= 0) & (u < 1)).all())
+    assert len(set(u.tolist())) == 4  # the seed's high half and the position both count
+    assert torch.equal(uniforms(seeds[:1], positions[:1]), u[:1])
+    many = uniforms(torch.full((20_000,), 3), torch.arange(20_000))
+    assert abs(float(many.mean()) - 0.5) < 0.01 and abs(float((many < 0.1).double().mean()) - 0.1) < 0.01
 
 
 # ---- command line ----------------------------------------------------------------------------
@@ -199,27 +235,35 @@ def test_cli_generate(checkpoint, engine, capsys):
     assert "5000" in capsys.readouterr().err
 
 
-def test_auto_prefill_chunk_is_the_largest_that_fits(monkeypatch):
-    """4096 with room to spare; smaller chunks as memory tightens; 256 when even that is tight
-    (a 4 GB card holding E2B and a 131,072-token cache); 256 on the CPU."""
-    from qat4 import engine as engine_module
+def test_plan_takes_the_largest_chunk_and_the_most_sequences_that_fit(monkeypatch):
+    """4096-token chunks and 64 sequences with room to spare; fewer sequences, then smaller chunks
+    as memory tightens; a clear error when not even one sequence fits; 256 on the CPU."""
     from qat4.checkpoint.synth import synthetic_model
+    from qat4.engine import memory
+    from qat4.engine.config import EngineConfig
 
     packed = synthetic_model(TINY, seed=0)
-    model_and_cache = 100 * engine_module.MIB
-    monkeypatch.setattr(engine_module, "_estimate_model_nbytes", lambda *a: model_and_cache - 10 * engine_module.MIB)
-    monkeypatch.setattr(engine_module.KVCache, "estimate_nbytes", staticmethod(lambda *a: 10 * engine_module.MIB))
+    mib = memory.MIB
+    monkeypatch.setattr(memory, "model_nbytes", lambda *a: 100 * mib)
+    monkeypatch.setattr(memory, "pool_nbytes", lambda cfg, blocks, bs, seqs, ctx, dtype: 10 * mib + seqs * mib)
+    monkeypatch.setattr(memory, "decode_nbytes", lambda packed, rows: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda", 0)
-    reserve, per_token = engine_module.TUNING_RESERVE, engine_module.PREFILL_BYTES_PER_TOKEN
-    pick = engine_module._auto_prefill_chunk
-    for free, expected in ((10**11, 4096), (model_and_cache + reserve + 1024 * per_token, 1024),
-                           (model_and_cache + reserve + 300 * per_token, 256), (model_and_cache, 256)):
+    reserve, per_token = memory.TUNING_RESERVE, memory.PREFILL_BYTES_PER_TOKEN
+    base = 110 * mib + reserve
+    for free, seqs, chunk in ((10**11, 64, 4096), (base + 64 * mib + 1024 * per_token, 64, 1024),
+                              (base + 64 * mib + 300 * per_token, 64, 256), (base + 20 * mib + 256 * per_token, 20, 256)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, 2 * free))
-        assert pick(packed, 8192, torch.bfloat16, cuda, None) == expected
-        assert pick(packed, 8192, torch.bfloat16, cuda, free) == expected  # a cap counts the same way
-    assert pick(packed, 1000, torch.bfloat16, cuda, 10**11) == 512  # never past the context
-    assert pick(packed, 8192, torch.float32, torch.device("cpu"), None) == 256
+        got = memory.plan(packed, cuda, EngineConfig(max_ctx=8192))
+        assert (got.max_num_seqs, got.prefill_chunk) == (seqs, chunk)
+    with pytest.raises(Qat4Error, match="max_num_seqs"):
+        memory.plan(packed, cuda, EngineConfig(max_ctx=8192, max_num_seqs=30))  # asked for, does not fit
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (base, 2 * base))
+    with pytest.raises(Qat4Error, match="do not fit"):
+        memory.plan(packed, cuda, EngineConfig(max_ctx=8192))
+    assert memory.plan(packed, torch.device("cpu"), EngineConfig(max_ctx=1000)).prefill_chunk == 256
+    assert memory.plan(packed, torch.device("cpu"), EngineConfig(max_ctx=100)).prefill_chunk == 100
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

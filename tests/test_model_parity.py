@@ -3,7 +3,8 @@
 One tiny synthetic model (every structural feature of E2B, the real 262,144-token vocabulary,
 weights exactly on the 4-bit grid) is given to both: packed to the engine, dequantised to
 `Gemma4ForCausalLM` (eager attention, fp32). Its sliding window is 8 positions, so sequences of
-40+ tokens wrap every ring several times, and the KV-shared layers read rings and full caches.
+40+ tokens slide past many windows (and give back their sliding blocks), and the KV-shared layers
+read both layer types' pages.
 """
 
 import copy
@@ -12,10 +13,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from qat4.cache import KVCache
 from qat4.checkpoint.synth import synthetic_model
 from qat4.config import TINY
 from qat4.engine import Engine
+from qat4.engine.sampler import SamplingParams
+from qat4.engine.sequence import Sequence
 from qat4.reference import cast, hf_config, hf_model, rel_max_error
 
 SEQ = 48  # positions: six sliding windows
@@ -95,19 +97,17 @@ def test_decode_matches_hf_past_key_values(packed, hf, engines, ids):
     ref = torch.cat(ref)
 
     engine = engines[8]
-    model, kv = engine.model, engine.cache
-    kv.reset()
+    seq = Sequence(ids, SamplingParams(temperature=0), 0, 1, frozenset())
+    seq.slot = engine.pool.open_slot()
+    hidden = []
     with torch.no_grad():
-        start = 0
-        for chunk in PROMPT_CHUNKS:
-            h = model.prefill(tokens[0, start : start + chunk], start, kv)
-            start += chunk
-        hidden = [h[-1:]]
-        pos = torch.tensor([PROMPT])
-        for i in range(PROMPT, SEQ):
-            hidden.append(model.decode(tokens[0, i : i + 1], pos, kv))
-            pos += 1
-        got = model.logits(torch.cat(hidden))
+        for n in (*PROMPT_CHUNKS, *[1] * (SEQ - PROMPT)):  # teacher-forced decode: one token per forward
+            engine.pool.grow(seq.slot, seq.num_computed + n, seq.num_computed)
+            engine.pool.flush()
+            hidden.append(engine.runner.forward_chunks([(seq, n)])[0][-1:])
+            seq.num_computed += n
+        engine.pool.close_slot(seq.slot)
+        got = engine.model.logits(torch.cat(hidden[len(PROMPT_CHUNKS) - 1 :]))
     err = rel_max_error(got, ref)
     print(f"decode from position {PROMPT} to {SEQ - 1}: rel. max error vs HF {err:.2e}")
     assert err < PREFILL_TOL
@@ -124,27 +124,6 @@ def test_greedy_64_tokens_match_hf_generate(hf, engines, ids):
     got = engines[3].generate(prompt, max_new_tokens=64, temperature=0, stop_token_ids=[])  # prompt in 4 chunks
     assert got.tokens == expected
     assert got.finish_reason == "length"
-
-
-def test_sliding_ring_holds_last_window(engines, ids):
-    """After a chunked prefill, each ring holds exactly the last W positions at slot pos % W."""
-    engine = engines[13]
-    engine.logits(ids[:30])
-    window = TINY.sliding_window
-    for layer, kv in engine.cache.layers.items():
-        if TINY.is_sliding(layer):
-            expected = torch.tensor([p for p in range(30 - window, 30)])
-            assert torch.equal(kv.slot_pos, expected[torch.argsort(expected % window)])
-    engine.cache.reset()
-    assert all(bool((kv.slot_pos == -1).all()) for kv in engine.cache.layers.values() if kv.ring)
-
-
-def test_cache_accounting(engines):
-    cache: KVCache = engines[SEQ].cache
-    assert cache.nbytes == KVCache.estimate_nbytes(TINY, 256, torch.float32)
-    assert set(cache.layers) == set(range(TINY.first_kv_shared_layer))
-    for layer, kv in cache.layers.items():
-        assert kv.k.shape == ((TINY.sliding_window if TINY.is_sliding(layer) else 256), TINY.layer_head_dim(layer))
 
 
 def _agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:

@@ -50,15 +50,52 @@ def naive_attention(q, k, v, q_pos, k_pos, window):
     return out
 
 
-def ring_from_history(k_hist, v_hist, n_written, slots):
-    """Ring of ``slots`` after writing positions 0 .. n_written-1 at slot = position % slots."""
-    D = k_hist.shape[1]
-    k_ring = torch.full((slots, D), float("nan"), dtype=k_hist.dtype)  # empty slots may hold anything
-    v_ring = torch.full((slots, D), float("nan"), dtype=k_hist.dtype)
-    slot_pos = torch.full((slots,), -1, dtype=torch.int32)
-    for p in range(n_written):
-        k_ring[p % slots], v_ring[p % slots], slot_pos[p % slots] = k_hist[p], v_hist[p], p
-    return k_ring, v_ring, slot_pos
+class Pool:
+    """A paged pool holding the keys and values of several sequences' histories: blocks of BS rows
+    in shuffled order (block 0 unused), every row no sequence owns NaN, so a kernel that reads one
+    shows it."""
+
+    def __init__(self, lengths, D, BS=4, dtype=torch.float32, device="cpu", seed=0):
+        g = torch.Generator().manual_seed(seed)
+        blocks = [-(-n // BS) for n in lengths]
+        order = (torch.randperm(sum(blocks), generator=g) + 1).tolist()
+        self.bs, self.lengths = BS, lengths
+        self.k = torch.full((sum(blocks) * BS + BS, D), float("nan"), dtype=dtype)
+        self.v = self.k.clone()
+        self.table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
+        self.history = []
+        for r, n in enumerate(lengths):
+            mine, order = order[: blocks[r]], order[blocks[r] :]
+            self.table[r, : len(mine)] = torch.tensor(mine, dtype=torch.int32)
+            k_hist, v_hist = rand(n, D, dtype=dtype), rand(n, D, dtype=dtype)
+            rows = self.table[r, torch.arange(n) // BS].long() * BS + torch.arange(n) % BS
+            self.k[rows], self.v[rows] = k_hist, v_hist
+            self.history.append((k_hist, v_hist))
+        self.k, self.v, self.table = self.k.to(device), self.v.to(device), self.table.to(device)
+
+    def forget_before(self, row, first):
+        """Poison the positions before ``first`` of sequence ``row`` (its sliding blocks given back)."""
+        p = torch.arange(first, device=self.table.device)
+        rows = self.table[row, p // self.bs].long() * self.bs + p % self.bs
+        self.k[rows] = float("nan")
+        self.v[rows] = float("nan")
+
+
+def seqs_of(q_lens, ends, rows, device="cpu"):
+    """PagedSeqs for sequences with q_lens[b] query tokens ending at position ends[b] - 1."""
+    positions = torch.cat([torch.arange(e - n, e) for n, e in zip(q_lens, ends)]).to(device)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=device)
+    return attn.PagedSeqs(positions, cu, torch.tensor(rows, device=device), max(q_lens), max(ends))
+
+
+def expected_of(pool, q, q_lens, ends, rows, window):
+    out = []
+    t = 0
+    for n, e, r in zip(q_lens, ends, rows):
+        k_hist, v_hist = pool.history[r]
+        out.append(naive_attention(q[t : t + n].cpu(), k_hist[:e], v_hist[:e], range(e - n, e), torch.arange(e), window))
+        t += n
+    return torch.cat(out)
 
 
 def rand(*shape, dtype=torch.float32, device="cpu"):
@@ -74,70 +111,39 @@ def assert_close(actual, expected, dtype):
 # References
 
 
-@pytest.mark.parametrize("pos", [0, 1, 17, 63])
-def test_decode_reference_full_layer_matches_naive(pos):
-    D, S = 32, 64
-    q, k, v = rand(H, D), rand(S, D), rand(S, D)
-    out = attn.decode_attention_reference(q, k, v, torch.tensor(pos))
-    expected = naive_attention(q[None], k, v, [pos], torch.arange(S), None)[0]
-    assert_close(out, expected, torch.float32)
+@pytest.mark.parametrize("window", [None, 6])
+def test_reference_matches_naive_for_decode_rows_and_chunks(window):
+    """Three sequences in shuffled pages: one decode row at position 0, one at 18, and a 5-token
+    chunk ending at 23; on a sliding layer the pages before each window are poisoned."""
+    D = 32
+    pool = Pool([1, 19, 23], D)
+    q_lens, ends, rows = [1, 1, 5], [1, 19, 23], [0, 1, 2]
+    if window:
+        pool.forget_before(1, 19 - window)
+        pool.forget_before(2, 23 - 5 - window + 1)
+    q = rand(sum(q_lens), H, D)
+    out = attn.paged_attention_reference(q, pool.k, pool.v, pool.table, pool.bs, seqs_of(q_lens, ends, rows), window=window)
+    assert_close(out, expected_of(pool, q, q_lens, ends, rows, window), torch.float32)
 
 
-@pytest.mark.parametrize("n_written", [1, 5, 8, 9, 30])
-def test_decode_reference_ring_matches_window_over_history(n_written):
-    """A ring of W slots (wrapped or not, empty slots included) gives the window over the history."""
-    D, W = 32, 8
-    k_hist, v_hist = rand(n_written, D), rand(n_written, D)
-    k_ring, v_ring, slot_pos = ring_from_history(k_hist, v_hist, n_written, W)
-    q = rand(H, D)
-    pos = n_written - 1
-    out = attn.decode_attention_reference(q, k_ring, v_ring, torch.tensor([pos]), window=W, slot_pos=slot_pos)
-    expected = naive_attention(q[None], k_hist, v_hist, [pos], torch.arange(n_written), W)[0]
-    assert_close(out, expected, torch.float32)
+def test_reference_writes_into_out():
+    D = 32
+    pool = Pool([10], D)
+    q = rand(2, H, D)
+    out = torch.full((5, H, D), float("nan"))
+    attn.paged_attention_reference(q, pool.k, pool.v, pool.table, pool.bs, seqs_of([2], [10], [0]), out=out[3:])
+    assert torch.isnan(out[:3]).all() and torch.isfinite(out[3:]).all()
 
 
-def test_decode_reference_several_tokens_on_a_larger_ring():
-    D, W, M, n_written = 32, 8, 3, 21
-    slots = W + M - 1
-    k_hist, v_hist = rand(n_written, D), rand(n_written, D)
-    k_ring, v_ring, slot_pos = ring_from_history(k_hist, v_hist, n_written, slots)
-    q = rand(M, H, D)
-    pos = n_written - M
-    out = attn.decode_attention_reference(q, k_ring, v_ring, torch.tensor(pos), window=W, slot_pos=slot_pos)
-    expected = naive_attention(q, k_hist, v_hist, range(pos, pos + M), torch.arange(n_written), W)
-    assert_close(out, expected, torch.float32)
-    with pytest.raises(ValueError, match="ring"):
-        attn.decode_attention_reference(q, k_ring[:W], v_ring[:W], torch.tensor(pos), window=W, slot_pos=slot_pos[:W])
-
-
-def test_prefill_reference_sliding_ring_plus_chunk_matches_naive():
-    """Sliding prefill: keys = previous ring (wrapped, in slot order) + the chunk's own keys."""
-    D, W, start, T = 32, 8, 13, 6
-    k_hist, v_hist = rand(start + T, D), rand(start + T, D)
-    k_ring, v_ring, slot_pos = ring_from_history(k_hist, v_hist, start, W)
-    k = torch.cat([k_ring, k_hist[start:]])
-    v = torch.cat([v_ring, v_hist[start:]])
-    k_pos = torch.cat([slot_pos, torch.arange(start, start + T, dtype=torch.int32)])
-    q, q_pos = rand(T, H, D), torch.arange(start, start + T)
-    out = attn.prefill_attention_reference(q, k, v, q_pos, k_pos, window=W)
-    assert_close(out, naive_attention(q, k_hist, v_hist, q_pos, torch.arange(start + T), W), torch.float32)
-
-
-def test_prefill_reference_full_layer_matches_naive():
-    D, start, T = 32, 13, 6
-    k, v = rand(start + T, D), rand(start + T, D)
-    q, q_pos = rand(T, H, D), torch.arange(start, start + T)
-    out = attn.prefill_attention_reference(q, k, v, q_pos, torch.arange(start + T))
-    assert_close(out, naive_attention(q, k, v, q_pos, torch.arange(start + T), None), torch.float32)
-
-
-def test_prefill_reference_matches_transformers_eager_attention():
+def test_reference_matches_transformers_eager_attention():
     """transformers' Gemma 4 eager attention (scale 1.0, repeat_kv over 8 heads) with its own mask."""
     from transformers import masking_utils
     from transformers.models.gemma4 import modeling_gemma4
 
     D, W, T = 64, 8, 20
-    q, k, v = rand(T, H, D), rand(T, D), rand(T, D)
+    pool = Pool([T], D)
+    k, v = pool.history[0]
+    q = rand(T, H, D)
     positions = torch.arange(T)
     mask_fn = masking_utils.sliding_window_causal_mask_function(W)
     zero = torch.tensor(0)
@@ -147,24 +153,26 @@ def test_prefill_reference_matches_transformers_eager_attention():
     expected, _ = modeling_gemma4.eager_attention_forward(
         module, q.transpose(0, 1)[None], k[None, None], v[None, None], additive, scaling=1.0
     )
-    out = attn.prefill_attention_reference(q, k, v, positions, positions, window=W)
+    out = attn.paged_attention_reference(q, pool.k, pool.v, pool.table, pool.bs, seqs_of([T], [T], [0]), window=W)
     assert_close(out, expected[0], torch.float32)
 
 
-def test_reference_gives_zero_for_a_query_that_sees_nothing():
-    D = 32
-    q, k, v = rand(2, H, D), rand(4, D), rand(4, D)
-    out = attn.prefill_attention_reference(q, k, v, torch.tensor([3, 9]), torch.tensor([-1, -1, 5, 6]), window=4)
-    assert torch.equal(out[0], torch.zeros(H, D))
-    assert torch.isfinite(out).all()
-
-
-def test_public_functions_use_reference_on_cpu(monkeypatch):
+def test_public_function_uses_reference_on_cpu(monkeypatch):
     monkeypatch.setenv("QAT4_OPS", "auto")
-    D, S = 32, 16
-    q, k, v = rand(H, D), rand(S, D), rand(S, D)
-    pos = torch.tensor(9)
-    assert torch.equal(attn.decode_attention(q, k, v, pos), attn.decode_attention_reference(q, k, v, pos))
+    D = 32
+    pool = Pool([9], D)
+    q = rand(1, H, D)
+    args = (q, pool.k, pool.v, pool.table, pool.bs, seqs_of([1], [9], [0]))
+    assert torch.equal(attn.paged_attention(*args), attn.paged_attention_reference(*args))
+
+
+def test_splits_cover_two_programs_per_sm_for_any_batch():
+    tiles = attn.AttentionTiles(16, 64, 4, 2)
+    cpu = torch.device("cpu")  # 4 "SMs" off CUDA
+    assert attn.num_splits(1, 1, 131072, tiles, cpu) == 8
+    assert attn.num_splits(8, 1, 131072, tiles, cpu) == 1
+    assert attn.num_splits(1, 1, 100, tiles, cpu) == 2  # no more splits than key tiles
+    assert attn.num_splits(1, 4, 3000, tiles, cpu) == 2  # prompt chunks: >= 1024 keys per split
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,76 +199,52 @@ KERNEL_DTYPES = [torch.float32, torch.float16]
 
 @kernel_test
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("D,S,pos,splits", [(32, 100, 70, 3), (64, 300, 299, 4), (32, 100, 0, 5), (64, 200, 130, 1)])
-def test_kernel_decode_full(dtype, D, S, pos, splits):
-    dev = KERNEL_DEVICE
-    q, k, v = rand(H, D, dtype=dtype, device=dev), rand(S, D, dtype=dtype, device=dev), rand(S, D, dtype=dtype, device=dev)
-    k[pos + 1 :] = float("nan")  # slots past the position are never read
-    v[pos + 1 :] = float("nan")
-    p = torch.tensor(pos, device=dev)
-    out = attn.decode_attention_triton(q, k, v, p, num_splits=splits)
-    assert out.shape == q.shape and out.dtype == dtype
-    assert_close(out, attn.decode_attention_reference(q, k, v, p), dtype)
-
-
-@kernel_test
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("n_written,splits", [(1, 1), (5, 2), (8, 3), (29, 2), (30, 1)])
-def test_kernel_decode_ring(dtype, n_written, splits):
-    """Rings of 8 slots (D=32) and 64 slots (D=64), with empty, wrapped and garbage slots."""
-    for D, slots in ((32, 8), (64, 64)):
-        k_hist, v_hist = rand(n_written, D, dtype=dtype), rand(n_written, D, dtype=dtype)
-        k_ring, v_ring, slot_pos = (t.to(KERNEL_DEVICE) for t in ring_from_history(k_hist, v_hist, n_written, slots))
-        q = rand(H, D, dtype=dtype, device=KERNEL_DEVICE)
-        pos = torch.tensor([n_written - 1], device=KERNEL_DEVICE)
-        args = (q, k_ring, v_ring, pos)
-        out = attn.decode_attention_triton(*args, window=8, slot_pos=slot_pos, num_splits=splits)
-        assert_close(out, attn.decode_attention_reference(*args, window=8, slot_pos=slot_pos), dtype)
-
-
-@kernel_test
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_kernel_decode_several_tokens(dtype):
-    dev, D = KERNEL_DEVICE, 32
-    q, k, v = rand(3, H, D, dtype=dtype, device=dev), rand(90, D, dtype=dtype, device=dev), rand(90, D, dtype=dtype, device=dev)
-    pos = torch.tensor(60, device=dev)  # rows 24 > one 16-row block
-    assert_close(attn.decode_attention_triton(q, k, v, pos, num_splits=3), attn.decode_attention_reference(q, k, v, pos), dtype)
-    slot_pos = torch.arange(90, device=dev, dtype=torch.int64) % 10 + 55  # ring of 10 slots, window 8
-    ring = (q, k[:10], v[:10], pos)
-    expected = attn.decode_attention_reference(*ring, window=8, slot_pos=slot_pos[:10])
-    assert_close(attn.decode_attention_triton(*ring, window=8, slot_pos=slot_pos[:10], num_splits=2), expected, dtype)
-
-
-@kernel_test
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("window,splits", [(None, 1), (None, 3), (8, 1), (8, 2)])
-def test_kernel_prefill(dtype, window, splits):
-    """Chunk of 11 tokens at positions 37..47 over [wrapped ring of 8 ; chunk] or the full prefix."""
-    dev, D, start, T = KERNEL_DEVICE, 64, 37, 11
-    q = rand(T, H, D, dtype=dtype, device=dev)
-    q_pos = torch.arange(start, start + T, device=dev)
-    if window is None:
-        k, v = rand(start + T, D, dtype=dtype, device=dev), rand(start + T, D, dtype=dtype, device=dev)
-        k_pos = torch.arange(start + T, device=dev, dtype=torch.int32)
-    else:
-        k, v = rand(8 + T, D, dtype=dtype, device=dev), rand(8 + T, D, dtype=dtype, device=dev)
-        ring_pos = torch.tensor([32, 33, 34, 35, 36, 29, 30, 31])
-        k_pos = torch.cat([ring_pos, q_pos.cpu()]).to(dev)
-    args = (q, k, v, q_pos, k_pos)
-    out = attn.prefill_attention_triton(*args, window=window, num_splits=splits)
-    assert_close(out, attn.prefill_attention_reference(*args, window=window), dtype)
+def test_kernel_decode_rows(dtype, window, splits):
+    """Four sequences of one token at positions 0, 7, 40 and 70 (D=64), pages shuffled, pages out
+    of every window poisoned."""
+    dev, D = KERNEL_DEVICE, 64
+    ends = [1, 8, 41, 71]
+    pool = Pool(ends, D, dtype=dtype, device=dev)
+    if window:
+        for r, e in enumerate(ends):
+            pool.forget_before(r, max(0, e - window))
+    q = rand(4, H, D, dtype=dtype, device=dev)
+    seqs = seqs_of([1] * 4, ends, [0, 1, 2, 3], dev)
+    args = (q, pool.k, pool.v, pool.table, pool.bs, seqs)
+    out = attn.paged_attention_triton(*args, window=window, splits=splits)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, expected_of(pool, q, [1] * 4, ends, [0, 1, 2, 3], window).to(dtype), dtype)
 
 
 @kernel_test
-def test_kernel_prefill_strided_query_and_empty_rows():
-    """q as a view of a fused projection; a query with no visible key gets zeros."""
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("window,splits", [(None, 1), (None, 2), (8, 1), (8, 3)])
+def test_kernel_prompt_chunks(dtype, window, splits):
+    """An 11-token chunk at positions 37..47 and a 3-token chunk at 0..2 in one launch, with the
+    default 64-row tiles and with 16-row tiles (several row blocks per sequence)."""
+    dev, D = KERNEL_DEVICE, 32
+    q_lens, ends, rows = [11, 3], [48, 3], [1, 0]
+    pool = Pool([3, 48], D, dtype=dtype, device=dev, seed=1)
+    if window:
+        pool.forget_before(1, 37 - window + 1)
+    q = rand(14, H, D, dtype=dtype, device=dev)
+    expected = expected_of(pool, q, q_lens, ends, rows, window).to(dtype)
+    for tiles in (None, attn.AttentionTiles(16, 16, 4, 1)):
+        out = attn.paged_attention_triton(q, pool.k, pool.v, pool.table, pool.bs, seqs_of(q_lens, ends, rows, dev),
+                                          window=window, splits=splits, tiles=tiles)
+        assert_close(out, expected, dtype)
+
+
+@kernel_test
+def test_kernel_strided_query_and_out_slice():
+    """q as a view of a fused projection; the output written into a slice of a larger tensor."""
     dev, D, T = KERNEL_DEVICE, 32, 5
     fused = rand(T, (H + 2) * D, device=dev)
     q = fused[:, : H * D].view(T, H, D)
-    k, v = rand(6, D, device=dev), rand(6, D, device=dev)
-    q_pos = torch.tensor([0, 1, 2, 3, 4], device=dev)
-    k_pos = torch.tensor([-1, 1, 2, 3, 4, -1], device=dev)
-    out = attn.prefill_attention_triton(q, k, v, q_pos, k_pos, num_splits=2)
-    assert torch.equal(out[0].cpu(), torch.zeros(H, D))
-    assert_close(out, attn.prefill_attention_reference(q, k, v, q_pos, k_pos), torch.float32)
-
+    pool = Pool([9], D, device=dev)
+    seqs = seqs_of([T], [9], [0], dev)
+    out = torch.full((T + 2, H, D), float("nan"), device=dev)
+    attn.paged_attention_triton(q, pool.k, pool.v, pool.table, pool.bs, seqs, out=out[2:], splits=2)
+    assert torch.isnan(out[:2]).all()
+    assert_close(out[2:], expected_of(pool, q, [T], [9], [0], None), torch.float32)

@@ -172,24 +172,20 @@ def test_residual_rms_norm_is_the_layers_residual_then_the_next_norm(dtype):
     assert torch.equal(plain, h + norms.rms_norm_reference(y, w)) and none is None
 
 
-@pytest.mark.parametrize("slots", [None, 4])
-def test_qk_norm_rope_store_writes_the_slot_of_each_position(slots):
-    """Full layer: slot = position; ring of 4: slot = position % 4, recorded in slot_pos."""
+def test_qk_norm_rope_store_writes_each_token_at_its_row():
+    """Token t's k and v land at row slots[t] of the layer's pool (any rows, any order); nothing
+    else is written."""
     T, H, D = 3, 8, 32
     q, k, v = torch.randn(T, H, D), torch.randn(T, 1, D), torch.randn(T, 1, D)
     positions = torch.tensor([5, 6, 7])
     cache = norms.rope_cos_sin_cache(our_inv_freq("sliding_attention", D), 16)
     qw, kw = torch.rand(D) * 3, torch.rand(D) * 3
-    size = slots or 16
-    k_cache, v_cache = torch.zeros(size, D), torch.zeros(size, D)
-    slot_pos = None if slots is None else torch.full((slots,), -1)
-    q_out = norms.qk_norm_rope_store_reference(q, k, v, positions, cache, qw, kw, k_cache, v_cache, slot_pos)
+    k_cache, v_cache = torch.zeros(16, D), torch.zeros(16, D)
+    rows = torch.tensor([9, 2, 14])
+    q_out = norms.qk_norm_rope_store_reference(q, k, v, positions, cache, qw, kw, k_cache, v_cache, rows)
     eq, ek, ev = norms.qk_norm_rope_reference(q, k, v, positions, cache, qw, kw)
-    at = [1, 2, 3] if slots else [5, 6, 7]
-    assert torch.equal(q_out, eq) and torch.equal(k_cache[at], ek[:, 0]) and torch.equal(v_cache[at], ev[:, 0])
+    assert torch.equal(q_out, eq) and torch.equal(k_cache[rows], ek[:, 0]) and torch.equal(v_cache[rows], ev[:, 0])
     assert int((k_cache.abs().sum(-1) > 0).sum()) == T
-    if slots:
-        assert slot_pos.tolist() == [-1, 5, 6, 7]
 
 
 def test_public_functions_use_reference_on_cpu(monkeypatch):
@@ -273,21 +269,20 @@ def test_kernel_residual_rms_norm(dtype):
 
 @kernel_test
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("slots", [None, 8])
-def test_kernel_qk_norm_rope_store(dtype, slots):
+def test_kernel_qk_norm_rope_store(dtype):
     T, H, dim = 2, 8, 32
     table = norms.rope_cos_sin_cache(our_inv_freq("sliding_attention", dim), 64, dtype).to(KERNEL_DEVICE)
     positions = torch.tensor([13, 14], device=KERNEL_DEVICE)
+    rows = torch.tensor([40, 3], device=KERNEL_DEVICE)
     qkv = rand(T, (H + 2) * dim, dtype=dtype, scale=2)
     q, k, v = qkv[:, : H * dim].view(T, H, dim), qkv[:, H * dim : (H + 1) * dim].view(T, 1, dim), qkv[:, (H + 1) * dim :].view(T, 1, dim)
     qw, kw = rand(dim, dtype=dtype, scale=4), rand(dim, dtype=dtype, scale=4)
-    size = slots or 64
     caches = []
     for fn in (norms.qk_norm_rope_store_triton, norms.qk_norm_rope_store_reference):
-        kc, vc = (torch.zeros(size, dim, dtype=dtype, device=KERNEL_DEVICE) for _ in range(2))
-        sp = None if slots is None else torch.full((slots,), -1, dtype=torch.int64, device=KERNEL_DEVICE)
-        caches.append((fn(q, k, v, positions, table, qw, kw, kc, vc, sp), kc, vc, sp))
-    (q1, k1, v1, sp1), (q2, k2, v2, sp2) = caches
-    for a, b in ((q1, q2), (k1, k2), (v1, v2)):
-        assert_kernel_close(a, b)
-    assert sp1 is None or torch.equal(sp1, sp2)
+        kc, vc = (torch.full((64, dim), float("nan"), dtype=dtype, device=KERNEL_DEVICE) for _ in range(2))
+        caches.append((fn(q, k, v, positions, table, qw, kw, kc, vc, rows), kc, vc))
+    (q1, k1, v1), (q2, k2, v2) = caches
+    assert_kernel_close(q1, q2)
+    for a, b in ((k1, k2), (v1, v2)):
+        assert_kernel_close(a[rows], b[rows])
+        assert int(torch.isnan(a).any(-1).sum()) == 64 - T  # only the two rows were written

@@ -365,7 +365,8 @@ def test_queue_overflow_is_429_and_loop_stays_responsive(scripted):
                 assert rejected.json()["error"]["code"] == "queue_full"
                 assert "qat4_queue_rejections_total 1" in httpx.get(scripted.url + "/metrics").text
     assert wait_until(lambda: httpx.get(scripted.url + "/health").json() == {
-        "status": "ok", "model": "scripted", "queue_depth": 0, "busy": False})
+        "status": "ok", "model": "scripted", "queue_depth": 0, "running": 0, "busy": False,
+        "kv_pool_usage": {"full_attention": 0.0}})
     assert len(engine.prompts) == 1  # the waiting request left before it started: never run
 
 
@@ -430,7 +431,7 @@ def test_serve_command_builds_the_app(monkeypatch, tmp_path):
     assert seen["model"] == str(folder) and seen["device"] == "cpu" and seen["max_ctx"] == 256
     assert seen["config"].host == "127.0.0.1" and seen["config"].port == 9999
     app = seen["config"].app
-    assert app.state.model_name == "my-gemma" and app.state.scheduler.max_queue == 3
+    assert app.state.model_name == "my-gemma" and app.state.engine_loop.max_waiting == 3
     with TestClient(app) as client:
         assert client.get("/v1/models").status_code == 401
         assert client.get("/v1/models", headers={"Authorization": "Bearer k"}).json()["data"][0]["id"] == "my-gemma"
@@ -444,7 +445,7 @@ from server_harness import ScriptedEngine
 from qat4.commands.serve import _Server
 from qat4.server.app import create_app
 app = create_app(ScriptedEngine("endless", delay=0.01), max_queue=2)
-_Server(uvicorn.Config(app, host="127.0.0.1", port={port}, log_level="warning"), app.state.scheduler.close).run()
+_Server(uvicorn.Config(app, host="127.0.0.1", port={port}, log_level="warning"), app.state.engine_loop.close).run()
 """
 
 

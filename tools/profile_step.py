@@ -1,11 +1,12 @@
-"""Where the time of one decode step and one prefill chunk goes, kernel class by kernel class.
+"""Where the time of one decode step and one prompt chunk goes, kernel class by kernel class.
 
-    python tools/profile_step.py [--depth 512] [--chunk 256] [--top 25]
+    python tools/profile_step.py [--depth 512] [--batch 1] [--chunk 256] [--top 25]
 
-Builds the E2B-shaped synthetic engine on the GPU, runs the greedy decode step eagerly under
-torch.profiler (CUDA activity only) and prints, per kernel name: launches per step, total µs and
-µs per launch; then the same for one prefill chunk. It also times the step as the engine runs it
-(CUDA-graph replay), so the gap between that and the kernels' sum is the launch overhead.
+Builds the E2B-shaped synthetic engine on the GPU with --batch sequences holding --depth tokens
+each, runs their greedy decode step eagerly under torch.profiler (CUDA activity only) and prints,
+per kernel name: launches per step, total µs and µs per launch; then the same for one prompt
+chunk. It also times the step as the engine runs it (CUDA-graph replays through the step loop),
+so the gap between that and the kernels' sum is the launch overhead.
 """
 
 import argparse
@@ -18,10 +19,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from qat4.bench import fill  # noqa: E402
 from qat4.commands.bench import load_packed_for_bench  # noqa: E402
-from qat4.decode_tuning import describe_tilings  # noqa: E402
-from qat4.engine import GREEDY, Engine  # noqa: E402
+from qat4.engine import Engine  # noqa: E402
+from qat4.engine.tuning import describe_tilings  # noqa: E402
 from qat4.ops import w4_linear  # noqa: E402
 
 
@@ -44,49 +44,56 @@ def kernel_table(prof, steps: int, top: int) -> tuple[str, float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depth", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
     packed = load_packed_for_bench("synthetic:e2b", torch.device("cuda"), seed=0)
-    engine = Engine.from_packed(packed, "cuda", max_ctx=8192, prefill_chunk=args.chunk)
+    engine = Engine.from_packed(packed, "cuda", max_ctx=max(8192, 2 * args.depth), prefill_chunk=args.chunk,
+                                max_num_seqs=max(args.batch, 1))
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, engine.config.vocab_size, (max(args.depth, args.chunk),), generator=g).cuda()
-    fill(engine, ids[: args.depth])
-    step = engine.step
-    step.pos.fill_(args.depth)
-    step.prepare(GREEDY)
+    seqs = [engine.add_request(torch.randint(3, engine.config.vocab_size, (args.depth + 1,), generator=g).tolist(),
+                               engine.max_ctx - args.depth - 2, temperature=0, stop_token_ids=[])
+            for _ in range(args.batch)]
+    while any(not s.output for s in seqs):  # every prompt read: each step from now on is one decode row per sequence
+        engine.step()
 
-    step.use_graph = False
+    runner = engine.runner
+    runner.use_graph = False
     for _ in range(3):
-        step.run(GREEDY)
+        engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            step.run(GREEDY)
+            engine.step()
         torch.cuda.synchronize()
     table, kernel_us, launches = kernel_table(prof, 5, args.top)
-    step.use_graph = True
+    runner.use_graph = True
+    engine.step()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(100):
-        step.run(GREEDY)
+        engine.step()
     end.record()
     torch.cuda.synchronize()
-    graph_us = start.elapsed_time(end) * 10
-    print(f"decode step at depth {args.depth}: {launches} kernels, {kernel_us:.0f} µs of kernel time, "
-          f"{graph_us:.0f} µs per graph replay ({1e6 / graph_us:.0f} tok/s)")
+    step_us = start.elapsed_time(end) * 10
+    print(f"decode step of {args.batch} sequences at depth {args.depth}: {launches} kernels, {kernel_us:.0f} µs of "
+          f"kernel time, {step_us:.0f} µs per step in the engine's loop ({args.batch * 1e6 / step_us:,.0f} tok/s)")
     print(table)
     print("\nGEMV tilings, pinned or autotuned:")
     print("\n".join("  " + line for line in describe_tilings(w4_linear.matvec_tilings())))
+    for s in seqs:
+        engine.abort(s)
+    engine.drain()
 
-    chunk = ids[: args.chunk]
-    engine.model.prefill(chunk, 0, engine.cache)
+    chunk = torch.randint(3, engine.config.vocab_size, (args.chunk,), generator=g).tolist()
+    engine.logits(chunk)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.model.prefill(chunk, 0, engine.cache)
+        engine.logits(chunk)
         torch.cuda.synchronize()
     table, kernel_us, launches = kernel_table(prof, 1, args.top)
-    print(f"\nprefill chunk of {args.chunk} tokens: {launches} kernels, {kernel_us:.0f} µs of kernel time")
+    print(f"\nprompt chunk of {args.chunk} tokens (and its logits): {launches} kernels, {kernel_us:.0f} µs of kernel time")
     print(table)
 
 

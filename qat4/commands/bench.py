@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from qat4 import bench
-    from qat4.decode_tuning import pinned_tilings_note
+    from qat4.engine.tuning import pinned_tilings_note
     from qat4.engine import Engine
 
     depths = _depths(args.depths)
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     bench.progress(f"loading {args.model}")
     packed = load_packed_for_bench(args.model, device, args.seed)
     cfg = packed.config
-    max_ctx = args.max_ctx or min(cfg.max_position_embeddings, max(max(depths) + args.new + 1, args.prompt))
+    max_ctx = args.max_ctx or min(cfg.max_position_embeddings, max(max(depths) + bench.decode_tokens(args.new), args.prompt + 1))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     engine = Engine.from_packed(packed, device, max_ctx=max_ctx, prefill_chunk=args.prefill_chunk,

@@ -41,8 +41,9 @@ def run(args: argparse.Namespace) -> int:
     result = engine.generate(prompt, max_new_tokens=args.max_new, temperature=args.temperature, top_k=args.top_k,
                              top_p=args.top_p, seed=args.seed)
     print(result.text)
+    rate = "no rate (fewer than 2 decode steps)" if result.decode_tok_s is None else f"{result.decode_tok_s:.1f} tok/s"
     print(f"qat4 generate: {result.prompt_tokens} prompt tokens in {result.prefill_ms:.1f} ms, "
-          f"{len(result.tokens)} new tokens, decode {result.decode_tok_s:.1f} tok/s, "
+          f"{len(result.tokens)} new tokens, decode {rate}, "
           f"finish {result.finish_reason}, {engine.device.type} {str(engine.dtype).removeprefix('torch.')}",
           file=sys.stderr)
     return 0

@@ -15,7 +15,7 @@ from qat4.commands.model_args import add_model_arguments, resolve_device
 from qat4.errors import Qat4Error
 
 DEFAULT_PORT = 8100
-DEFAULT_MAX_QUEUE = 8
+DEFAULT_MAX_QUEUE = 256
 SHUTDOWN_GRACE_S = 5  # on Ctrl-C, answers still streaming after this long are cut (and their generation cancelled)
 
 
@@ -23,8 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server with a web chat page",
         description="Serve the model over HTTP: /v1/chat/completions, /v1/completions, /v1/models, /health, "
-                    "/metrics, /tokenize, /detokenize, /apply-template and a chat page at /. One generation "
-                    "runs at a time; others wait in a bounded queue.")
+                    "/metrics, /tokenize, /detokenize, /apply-template and a chat page at /. Up to "
+                    "--max-num-seqs generations run at once in one batch; others wait in a bounded queue.")
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
@@ -32,8 +32,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="refuse to start if weights plus KV cache would exceed N MiB of device memory")
     p.add_argument("--api-key", default=os.environ.get("QAT4_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every API route (default: $QAT4_API_KEY, none)")
+    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                   help="generations decoded together in one batch (default: 64 on a GPU, fewer if memory is short; 8 on the CPU)")
+    p.add_argument("--kv-tokens", type=int, default=None, metavar="N",
+                   help="tokens the full-attention KV pool holds over all sequences (default: --max-ctx)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
-                   help=f"requests that may wait while one generates; more get 429 (default: {DEFAULT_MAX_QUEUE})")
+                   help=f"requests that may wait to join the batch; more get 429 (default: {DEFAULT_MAX_QUEUE})")
     p.add_argument("--model-name", default=None, metavar="NAME", help="model id reported by /v1/models (default: derived from --model)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level (default: info)")
@@ -65,7 +69,7 @@ class _Server(uvicorn.Server):
 
 
 def run(args: argparse.Namespace) -> int:
-    from qat4.decode_tuning import pinned_tilings_note
+    from qat4.engine.tuning import pinned_tilings_note
     from qat4.engine import Engine
     from qat4.server.app import create_app
 
@@ -75,14 +79,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"qat4 serve: warning: listening on {args.host} without --api-key; anyone who can reach it can use it",
               file=sys.stderr)
     engine = Engine.load(args.model, device=resolve_device(args.device), max_ctx=args.max_ctx,
-                         memory_cap_mib=args.memory_cap_mib)
+                         memory_cap_mib=args.memory_cap_mib, max_num_seqs=args.max_num_seqs, kv_tokens=args.kv_tokens)
     app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue,
                      model_name=args.model_name or model_name_for(args.model))
     print(f"qat4 serve: {app.state.model_name}, context {engine.max_ctx} tokens, on http://{args.host}:{args.port}/",
+          file=sys.stderr)
+    print(f"qat4 serve: KV pool: {engine.pool.capacity_tokens} tokens, up to {engine.max_num_seqs} sequences "
+          f"({engine.nbytes['kv_cache'] / (1 << 20):,.0f} MiB); prompts read {engine.prefill_chunk} tokens a step",
           file=sys.stderr)
     if engine.device.type == "cuda":
         print(f"qat4 serve: {pinned_tilings_note(*engine.pinned_tilings)}", file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
-    _Server(config, app.state.scheduler.close).run()
+    _Server(config, app.state.engine_loop.close).run()
     return 0

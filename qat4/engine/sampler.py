@@ -1,14 +1,17 @@
-"""Token sampling on the device: temperature, top-k, top-p, driven by one uniform number per token.
+"""Token sampling on the device with per-row parameters: temperature, top-k, top-p, and a seed.
 
-The random number is drawn outside (from a seeded ``torch.Generator``) into a device tensor, so
-the sampling itself is a pure function of tensors: it can sit inside a captured CUDA graph and
-gives the same token eagerly and replayed. ``temperature`` and ``top_p`` are device tensors too
-(changing them needs no recapture); ``top_k`` is a shape, so a graph is captured per value.
+Every row of a batch carries its own parameters in device tensors, so one captured graph serves any
+mix of requests: a row with temperature 0 takes the argmax, the others keep their top_k largest
+logits (0: all), softmax at their temperature, keep the smallest prefix reaching top_p and invert
+the cumulative distribution at a uniform number. Only the most tokens any row keeps is a shape
+(``keep``: a power of two, or the whole vocabulary), so graphs are captured per ``keep``.
 
-The cumulative sums run over integer weights (probabilities in units of 2^-40): a GPU prefix scan
-adds floats in an order that can change from run to run, and over a nucleus of 100,000+ nearly
-equal probabilities that moves the draw to a neighbouring token; integer sums are the same in any
-order, so a seed gives the same tokens every time.
+The uniform number of a row is a hash of (seed, position of the token drawn) (:func:`uniforms`):
+a request with a seed draws the same numbers whoever shares its batch, eagerly or replayed, on any
+device. The cumulative sums run over integer weights (probabilities in units of 2^-40): a GPU
+prefix scan adds floats in an order that can change from run to run, and over a nucleus of
+100,000+ nearly equal probabilities that moves the draw to a neighbouring token; integer sums are
+the same in any order.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import torch
 
 from qat4.errors import Qat4Error
 
-
 _ONE = float(1 << 40)  # probability 1 as an integer weight (exact: a power of two)
+_MASK32 = 0xFFFFFFFF
+MIN_KEEP = 64  # the smallest top-k shape a graph is captured for
 
 
 @dataclass(frozen=True)
@@ -43,28 +47,76 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
-    def effective_top_k(self, vocab_size: int) -> int | None:
-        """top_k as a static shape: None when it keeps the whole vocabulary."""
-        return self.top_k if self.top_k and self.top_k < vocab_size else None
+    def effective_top_k(self, vocab_size: int) -> int:
+        """top_k as kept tokens: 1 when greedy, the vocabulary size when it keeps every token."""
+        if self.greedy:
+            return 1
+        return self.top_k if self.top_k and self.top_k < vocab_size else vocab_size
 
 
-def sample(logits: torch.Tensor, uniform: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-           top_k: int | None) -> torch.Tensor:
-    """Draw one token id from logits [V] fp32 -> [1] int64, all on the device.
+def keep_shape(top_ks: list[int], vocab_size: int) -> int:
+    """The ``keep`` shape serving rows with these effective top_k: 1 when every row is greedy,
+    else the next power of two (at least MIN_KEEP), or the vocabulary when that is no smaller."""
+    most = max(top_ks, default=1)
+    if most <= 1:
+        return 1
+    keep = max(MIN_KEEP, 1 << (most - 1).bit_length())
+    return keep if keep < vocab_size else vocab_size
 
-    uniform [1] in [0, 1); temperature [1] > 0; top_p [1] in (0, 1]. Keeps the top_k largest
-    logits (all when None), softmaxes them at the temperature, keeps the smallest prefix whose
-    probability reaches top_p, and inverts the cumulative distribution of what is left at
-    ``uniform``.
+
+# ----------------------------------------------------------------------------------------------
+# Counter-based uniforms
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2^32 for int64 x in [0, 2^32), in halves so that no product leaves int64."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) of int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Uniform numbers in [0, 1) as float64 [R], a pure function of (seed [R] int64, position [R]
+    int64): 53 random bits from hashing the seed's two halves with the position."""
+    lo, hi = seeds & _MASK32, (seeds >> 32) & _MASK32
+    h = _hash32(_hash32(_hash32(positions & _MASK32) ^ lo) ^ hi)
+    top = _hash32(h ^ 0x68E31DA4) >> 5  # 27 bits
+    low = _hash32(h ^ 0xB5297A4D) >> 6  # 26 bits
+    return ((top << 26) | low).double() * 2.0**-53
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           uniform: torch.Tensor, keep: int) -> torch.Tensor:
+    """Draw one token per row of logits [R, V] fp32 -> [R] int64, all on the device.
+
+    temperature [R] fp32 (0: greedy, the first maximum), top_k [R] int64 (kept tokens, <= keep;
+    the vocabulary for all), top_p [R] fp32 in (0, 1], uniform [R] float64 in [0, 1). ``keep`` is
+    the static number of candidates (>= every row's top_k).
     """
-    if top_k is None:
-        values, ids = torch.sort(logits, descending=True)
+    greedy = torch.argmax(logits, dim=-1)
+    if keep >= logits.shape[-1]:
+        values, ids = torch.sort(logits, dim=-1, descending=True)
     else:
-        values, ids = torch.topk(logits, top_k)
-    weights = (torch.softmax(values / temperature, dim=-1) * _ONE).long()  # the first >= 2^40 / V > 0
+        values, ids = torch.topk(logits, keep, dim=-1)
+    ranks = torch.arange(values.shape[-1], device=logits.device)
+    values = values.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    hot = temperature > 0
+    scaled = values / torch.where(hot, temperature, 1.0)[:, None]
+    weights = (torch.softmax(scaled, dim=-1) * _ONE).long()  # the first >= 2^40 / V > 0
     before = weights.cumsum(-1) - weights
-    weights = weights * (before.double() < top_p.double() * weights.sum(-1, keepdim=True))  # the first stays
+    weights = weights * (before.double() < top_p.double()[:, None] * weights.sum(-1, keepdim=True))  # the first stays
     cdf = weights.cumsum(-1)
-    target = (uniform.double() * cdf[-1:]).long()  # < cdf[-1]: lands on a kept token
-    choice = torch.searchsorted(cdf, target, right=True).clamp_(max=ids.shape[0] - 1)
-    return ids[choice]
+    target = (uniform * cdf[:, -1].double()).long()[:, None]  # < cdf[:, -1]: lands on a kept token
+    choice = torch.searchsorted(cdf, target, right=True).clamp_(max=values.shape[-1] - 1)
+    return torch.where(hot, ids.gather(1, choice)[:, 0], greedy)

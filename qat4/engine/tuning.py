@@ -44,49 +44,52 @@ def descend(start: Tilings, candidates: dict[tuple, list[dict]], measure: Callab
     return best, best_value, start_value
 
 
-def step_time_us(step, key: object, replays: int) -> float:
-    """Capture `step`'s graph for `key` anew with the tilings pinned now and return µs per replay
-    (best of three runs of `replays`). Scribbles on the KV cache, like any capture."""
-    step.graphs.pop(key, None)
-    step.prepare(key)
+def step_time_us(runner, key: tuple[int, int], replays: int) -> float:
+    """Capture the runner's decode graph for `key` (batch size, keep) anew with the tilings pinned
+    now and return µs per replay (best of three runs of `replays`). A capture writes only the
+    pool's scratch row, so the replays do too."""
+    runner.graphs.pop(key, None)
+    runner.capture(*key)
+    graph = runner.graphs[key]
     for _ in range(10):
-        step.run(key)
+        graph.replay()
     torch.cuda.synchronize()
     best = float("inf")
     for _ in range(3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(replays):
-            step.run(key)
+            graph.replay()
         end.record()
         torch.cuda.synchronize()
         best = min(best, start.elapsed_time(end) * 1000 / replays)
     return best
 
 
-def tune_decode_tilings(step, key: object, replays: int = 50, margin: float = 0.01) -> tuple[Tilings, float, float]:
-    """Pick every decode GEMV's tiling by whole-step replay time (module docstring) and pin them.
+def tune_decode_tilings(runner, key: tuple[int, int], replays: int = 50,
+                        margin: float = 0.01) -> tuple[Tilings, float, float]:
+    """Pick every GEMV tiling of the decode graph `key` (batch size, keep) by whole-step replay
+    time (module docstring) and pin them.
 
     Starts from the tilings in use (the autotuner's picks, or those pinned at load). Drops the
-    step's graph for `key` (captured last with a trial tiling): the next ``prepare`` captures it
-    with the tilings found. Returns (tilings, µs per step with the starting tilings, µs per step
-    with the tilings found).
+    graph for `key` (captured last with a trial tiling): the next capture uses the tilings found.
+    Returns (tilings, µs per step with the starting tilings, µs per step with the tilings found).
     """
-    step.graphs.pop(key, None)
+    runner.graphs.pop(key, None)
     w4_linear.forget_matvec_tilings()
-    step.prepare(key)  # eager warm-up steps launch (and autotune) every GEMV shape of the step
+    runner.capture(*key)  # eager warm-up steps launch (and autotune) every GEMV shape of the step
     start = w4_linear.matvec_tilings()
-    device = step.model.device
+    device = runner.device
     by_bytes = sorted(start, key=lambda shape: shape[0] * shape[1], reverse=True)
     candidates = {shape: w4_linear.matvec_tiling_candidates(shape, device) for shape in by_bytes}
 
     def measure(tilings: Tilings) -> float:
         w4_linear.pin_matvec_tilings(tilings)
-        return step_time_us(step, key, replays)
+        return step_time_us(runner, key, replays)
 
     best, after, before = descend(start, candidates, measure, margin)
     w4_linear.pin_matvec_tilings(best)
-    step.graphs.pop(key, None)
+    runner.graphs.pop(key, None)
     return best, before, after
 
 
@@ -105,7 +108,7 @@ def tilings_path() -> Path:
 
 def pinned_tilings_note(pinned: int, shapes: int) -> str:
     """What an engine took from the saved tilings (:attr:`qat4.engine.Engine.pinned_tilings`), and
-    what to do when it did not cover the decode step."""
+    what to do when it did not cover the decode steps."""
     note = f"decode GEMV tilings: {pinned} of {shapes} shapes pinned from {tilings_path()}"
     if pinned < shapes:
         note += ", the rest autotuned (step times then vary from run to run; `qat4 bench --tune` saves tilings for every shape)"

@@ -1,25 +1,31 @@
-"""Gemma 4 attention over the engine-owned KV cache: decode (split-K) and chunked prefill.
+"""Gemma 4 attention over a paged KV pool: one kernel for decode rows and prompt chunks alike.
 
-One KV head serves every query head (MQA); logit scale 1.0; no softcap; softmax in fp32. Masks go
-by absolute position: a key at position ``kp`` is visible to a query at position ``qp`` iff
-``0 <= kp <= qp`` and, with a window ``W`` (sliding layers), ``qp - W < kp``. Negative key
-positions mark empty slots. A query that sees no key gets a zero output. Empty slots, and slots
-past the newest query position, are never used, so they may hold anything (NaN included).
+One KV head serves every query head (MQA); logit scale 1.0; no softcap; softmax in fp32. A key at
+position ``kp`` is visible to a query at position ``qp`` iff ``kp <= qp`` and, with a window ``W``
+(sliding layers), ``qp - W < kp``. A query that sees no key gets a zero output.
 
-Cache contract (the engine owns the buffers): K and V are [S, D] in the compute dtype. Full layers
-use slot = position; sliding layers a ring of S slots with ``slot_pos`` [S] holding the position
-stored in each slot (-1 = empty).
+Pool contract (the engine's :mod:`qat4.engine.kv_cache` owns the buffers): a KV-owning layer's K
+and V are [num_blocks * BS, D] in the compute dtype; the key of a sequence's position ``p`` is row
+``block_table[r, p // BS] * BS + p % BS``, where ``r`` is the sequence's row of the block table.
+Every key a query may see has been written before the attention runs (the K/V store of the same
+forward comes first). Block-table entries of positions a query cannot see (past its position,
+or before its window on a sliding layer, whose blocks the engine frees) are never read.
+
+A batch (:class:`PagedSeqs`) holds the query tokens of B sequences back to back: sequence ``b``
+owns q rows ``cu_q[b] .. cu_q[b + 1] - 1``, each with its own position. A decode step is B
+sequences of one token; a prompt chunk is one sequence of many; speculative verification is
+sequences of a few.
 
 Each entry point has a plain-torch ``*_reference`` and a Triton ``*_triton`` with the same
-signature (the Triton one takes extra keyword-only tuning knobs); the public function picks one with
-:func:`qat4.ops.use_triton`.
+signature (the Triton one takes extra keyword-only tuning knobs); :func:`paged_attention` picks one
+with :func:`qat4.ops.use_triton`.
 
-Triton design: one kernel, ``_attn_fwd_kernel``, computes online-softmax attention for a block of
-query rows (row = token * H + head, so the 8 heads of a token share each K/V tile read) over one
-split of the keys. Decode launches a fixed number of splits per cache size; each split's key range
-is computed inside the kernel from the position tensor, so a captured CUDA graph stays valid for
-every length and the active length is spread evenly over all splits. With more than one split the
-kernel writes fp32 partials (m, l, acc) and ``_attn_merge_kernel`` combines them.
+Triton design: ``_paged_attn_kernel`` computes online-softmax attention for a block of query rows
+(row = token * H + head, so the 8 heads of a token share each K/V tile read) of one sequence over
+one split of the keys that block can see; the split bounds come from the positions inside the
+kernel, so a captured CUDA graph stays valid at every length, and the active length is spread
+evenly over all splits. With more than one split the kernel writes fp32 partials (m, l, acc) and
+``_attn_merge_kernel`` combines them.
 """
 
 import functools
@@ -36,6 +42,23 @@ _NO_WINDOW = 1 << 30  # window value that masks nothing
 _MAX_SPLITS = 256
 _REFERENCE_SCORE_ELEMENTS = 1 << 24  # fp32 scores per chunk of the reference (64 MiB)
 
+
+class PagedSeqs(NamedTuple):
+    """The query side of a paged attention call (module docstring).
+
+    positions [T] int64: position of each query token; cu_q [B + 1] int32: first q row of each
+    sequence, then T; rows [B] int32: each sequence's row of the block table. max_q_len (host):
+    the most query tokens one sequence has (sizes the grid); max_keys (host): a bound on the keys
+    one sequence's queries see, e.g. the context length (sizes the key splits).
+    """
+
+    positions: torch.Tensor
+    cu_q: torch.Tensor
+    rows: torch.Tensor
+    max_q_len: int
+    max_keys: int
+
+
 # ----------------------------------------------------------------------------------------------
 # Reference
 
@@ -43,18 +66,16 @@ _REFERENCE_SCORE_ELEMENTS = 1 << 24  # fp32 scores per chunk of the reference (6
 def _masked_attention_reference(q, k, v, q_pos, k_pos, window):
     """q [T, H, D]; k, v [S, D]; q_pos [T], k_pos [S] (int tensors) -> [T, H, D] in q.dtype.
 
-    Explicit fp32 matmul / softmax (never SDPA with broadcast K/V), chunked over tokens. Rows of
-    V at empty slots or past the newest query are zeroed, so whatever they hold is never used.
+    Explicit fp32 matmul / softmax (never SDPA with broadcast K/V), chunked over tokens.
     """
     T, H, _ = q.shape
     kp = k_pos.reshape(1, -1).long()
-    unused = (kp < 0) | (kp > q_pos.max())
-    kf, vf = k.float(), v.float().masked_fill(unused.reshape(-1, 1), 0.0)
+    kf, vf = k.float(), v.float()
     out = torch.empty_like(q)
     step = max(1, _REFERENCE_SCORE_ELEMENTS // (H * k.shape[0]))
     for t0 in range(0, T, step):
         qp = q_pos[t0 : t0 + step].reshape(-1, 1).long()
-        visible = (kp >= 0) & (kp <= qp)
+        visible = kp <= qp
         if window is not None:
             visible &= kp > qp - window
         scores = q[t0 : t0 + step].float() @ kf.T
@@ -64,53 +85,36 @@ def _masked_attention_reference(q, k, v, q_pos, k_pos, window):
     return out
 
 
-def _decode_queries(q, k_cache, window, slot_pos):
-    """q [H, D] or [M, H, D] as [M, H, D]; checks that a ring can hold every key the M tokens see."""
-    q3 = q if q.dim() == 3 else q[None]
-    if slot_pos is not None and window is not None and k_cache.shape[0] < window + q3.shape[0] - 1:
-        raise ValueError(f"a ring of {k_cache.shape[0]} slots cannot serve {q3.shape[0]} tokens with window {window}")
-    return q3
-
-
-def decode_attention_reference(
+def paged_attention_reference(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    pos: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    seqs: PagedSeqs,
     *,
     window: int | None = None,
-    slot_pos: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of the newest token(s) over a layer's cache.
+    """Attention of the query tokens of several sequences over their pages of a layer's pool.
 
-    q [H, D] for one token at position ``pos``, or [M, H, D] for M tokens at pos .. pos+M-1;
-    k_cache, v_cache [S, D]; pos an int tensor with one element; ``slot_pos`` [S] int for a ring
-    (None: slot = position); ``window`` W for sliding layers (None: full causal). Keys of every
-    query position must already be in the cache (a ring serving M > 1 tokens needs
-    S >= W + M - 1 slots). Returns q's shape and dtype.
+    q [T, H, D] (rows of the sequences back to back, see :class:`PagedSeqs`); k_pool, v_pool
+    [num_blocks * block_size, D]; block_table [R, max_blocks] int32. Each sequence gathers exactly
+    the keys its queries can see (positions min(q_pos) - W + 1 .. max(q_pos), or from 0 without a
+    window). Returns [T, H, D] in q.dtype, written into ``out`` when given.
     """
-    q3 = _decode_queries(q, k_cache, window, slot_pos)
-    q_pos = pos.reshape(-1)[:1] + torch.arange(q3.shape[0], device=q.device)
-    k_pos = slot_pos if slot_pos is not None else torch.arange(k_cache.shape[0], device=q.device)
-    return _masked_attention_reference(q3, k_cache, v_cache, q_pos, k_pos, window).reshape(q.shape)
-
-
-def prefill_attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    *,
-    window: int | None = None,
-) -> torch.Tensor:
-    """Attention of a chunk of T tokens over the keys it may see.
-
-    q [T, H, D]; k, v [S, D] (sliding layers: previous ring contents then the chunk's own keys);
-    q_pos [T], k_pos [S] absolute positions (int; -1 = empty slot). Causal mask and, with
-    ``window``, the sliding mask, both by position. Returns [T, H, D] in q.dtype.
-    """
-    return _masked_attention_reference(q, k, v, q_pos, k_pos, window)
+    out = torch.empty_like(q) if out is None else out
+    cu, rows = seqs.cu_q.tolist(), seqs.rows.tolist()
+    for b, row in enumerate(rows):
+        t0, t1 = cu[b], cu[b + 1]
+        if t0 == t1:
+            continue
+        q_pos = seqs.positions[t0:t1]
+        lo = 0 if window is None else max(0, int(q_pos.min()) - window + 1)
+        k_pos = torch.arange(lo, int(q_pos.max()) + 1, device=q.device)
+        slots = block_table[row, k_pos // block_size].long() * block_size + k_pos % block_size
+        out[t0:t1] = _masked_attention_reference(q[t0:t1], k_pool[slots], v_pool[slots], q_pos, k_pos, window)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,61 +122,60 @@ def prefill_attention_reference(
 
 
 @triton.jit
-def _attn_fwd_kernel(
-    Q, K, V, QPos, KPos, Out, PartAcc, PartM, PartL,
-    n_rows, n_keys, window,
-    stride_qt, stride_qh, stride_kn, stride_vn, stride_ot, stride_oh,
-    H: tl.constexpr, D: tl.constexpr,
-    Q_POS_TENSOR: tl.constexpr, K_POS_TENSOR: tl.constexpr, SPLIT: tl.constexpr,
+def _paged_attn_kernel(
+    Q, K, V, Out, PartAcc, PartM, PartL, Pos, CuQ, SeqRows, BlockTable,
+    n_rows, window,
+    stride_qt, stride_qh, stride_kn, stride_vn, stride_ot, stride_oh, stride_bt,
+    H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Online-softmax attention of BLOCK_R query rows over one split of the keys.
+    """Online-softmax attention of BLOCK_R query rows of one sequence over one split of its keys.
 
-    Q [T, H, D] (strides stride_qt, stride_qh, 1); rows r = t * H + h, n_rows = T * H.
-    K, V [n_keys, D] (row strides stride_kn, stride_vn). Logit scale 1.0.
-    Query positions: QPos[t] (Q_POS_TENSOR) or QPos[0] + t (decode). Key positions: KPos[n]
-    (K_POS_TENSOR) or n, and then only keys n <= QPos[0] + T - 1 are read.
-    Visible iff 0 <= kpos <= qpos and kpos > qpos - window.
+    Q [T, H, D] (strides stride_qt, stride_qh, 1); rows r = t * H + h, n_rows = T * H. Pos [T]
+    int64 query positions; CuQ [B + 1] int32 first token of each sequence; SeqRows [B] int32 its
+    block-table row; BlockTable [R, max_blocks] int32 (row stride stride_bt). K, V [blocks * BS, D]
+    (row strides stride_kn, stride_vn); the key of position n is row BlockTable[seq, n // BS] * BS
+    + n % BS. The block sees keys lo .. hi - 1 with hi = max(q_pos) + 1 and lo = max(0, min(q_pos)
+    - window + 1); only those are loaded. Visible iff kpos <= qpos and kpos > qpos - window.
     fp32 inputs multiply in full fp32 (no tf32); 16-bit ones on tensor cores with fp32 accumulation.
     SPLIT: write PartM/PartL [n_splits, n_rows] (m in log2 units) and PartAcc [n_splits, n_rows, D]
     fp32 (unnormalised); else write Out [T, H, D] (strides stride_ot, stride_oh, 1) = acc / l.
-    Split s covers keys [s * c, (s + 1) * c) with c = ceil(n_keys / n_splits) rounded up to BLOCK_N.
-    Grid: (cdiv(n_rows, BLOCK_R), n_splits).
+    Split s covers keys [lo + s * c, lo + (s + 1) * c) with c = ceil((hi - lo) / n_splits) rounded
+    up to BLOCK_N.
+    Grid: (cdiv(max_q_len * H, BLOCK_R), n_splits, B); blocks past a sequence's rows store nothing.
     """
     wait_for_previous_kernel(USE_PDL)
     pid_r = tl.program_id(0)
     pid_s = tl.program_id(1)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < n_rows
+    seq = tl.program_id(2)
+    t_begin = tl.load(CuQ + seq)
+    t_end = tl.load(CuQ + seq + 1)
+    rows = t_begin * H + pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < t_end * H
     t = rows // H
     h = rows % H
     d = tl.arange(0, D)
     q = tl.load(Q + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
-    if Q_POS_TENSOR:
-        q_pos = tl.load(QPos + t, mask=row_ok, other=0)
-    else:
-        q_pos = tl.load(QPos) + t
-    if not K_POS_TENSOR:
-        n_keys = tl.minimum(n_keys, tl.load(QPos) + n_rows // H)
+    q_pos = tl.load(Pos + t, mask=row_ok, other=0)
+    hi = tl.max(tl.where(row_ok, q_pos + 1, 0), axis=0)
+    lo = tl.maximum(tl.min(tl.where(row_ok, q_pos, hi), axis=0) - window + 1, 0)
+    table = BlockTable + tl.load(SeqRows + seq).to(tl.int64) * stride_bt
 
-    chunk = tl.cdiv(tl.cdiv(n_keys, tl.num_programs(1)), BLOCK_N) * BLOCK_N
-    lo = pid_s * chunk
-    hi = tl.minimum(lo + chunk, n_keys)
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), tl.num_programs(1)), BLOCK_N) * BLOCK_N
+    first = lo + pid_s * chunk
+    last = tl.minimum(first + chunk, hi)
 
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(first, last, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        if K_POS_TENSOR:
-            k_pos = tl.load(KPos + n, mask=n_ok, other=-1)
-        else:
-            k_pos = tl.where(n_ok, n, -1)
-        used = k_pos >= 0
-        k = tl.load(K + n[:, None] * stride_kn + d[None, :], mask=used[:, None], other=0.0)
-        v = tl.load(V + n[:, None] * stride_vn + d[None, :], mask=used[:, None], other=0.0)
-        visible = used[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+        n_ok = n < last
+        block = tl.load(table + n // BS, mask=n_ok, other=0).to(tl.int64)
+        slot = block * BS + n % BS
+        k = tl.load(K + slot[:, None] * stride_kn + d[None, :], mask=n_ok[:, None], other=0.0)
+        v = tl.load(V + slot[:, None] * stride_vn + d[None, :], mask=n_ok[:, None], other=0.0)
+        visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * 1.4426950408889634
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -228,7 +231,7 @@ def _attn_merge_kernel(
 
 
 class AttentionTiles(NamedTuple):
-    """Launch shape of ``_attn_fwd_kernel``: query rows and keys per tile, warps, pipeline stages."""
+    """Launch shape of ``_paged_attn_kernel``: query rows and keys per tile, warps, pipeline stages."""
 
     block_r: int
     block_n: int
@@ -236,10 +239,11 @@ class AttentionTiles(NamedTuple):
     num_stages: int
 
 
-def attention_tiles(kind: str, head_dim: int, device: torch.device) -> AttentionTiles:
-    """Tiles for ``kind`` 'decode' or 'prefill' at ``head_dim`` on ``device``."""
+def attention_tiles(max_q_len: int, head_dim: int, device: torch.device) -> AttentionTiles:
+    """Tiles for sequences of at most ``max_q_len`` query tokens at ``head_dim`` on ``device``:
+    16-row blocks for a few tokens per sequence (decode), 64-row blocks for prompt chunks."""
     small_smem = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8
-    return _tiles(kind, head_dim, small_smem)
+    return _tiles("decode" if max_q_len <= 8 else "prefill", head_dim, small_smem)
 
 
 def _tiles(kind: str, head_dim: int, small_smem: bool) -> AttentionTiles:
@@ -264,135 +268,97 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def decode_num_splits(cache_len: int, head_dim: int, device: torch.device) -> int:
-    """Fixed split count for a cache of ``cache_len`` slots: two programs per SM (at most 256),
-    and no more splits than key tiles. Depends on the cache size only, never on the length."""
-    block_n = attention_tiles("decode", head_dim, device).block_n
-    return max(1, min(triton.cdiv(cache_len, block_n), 2 * _sm_count(device), _MAX_SPLITS))
-
-
-def _prefill_num_splits(n_keys: int, n_row_blocks: int, device: torch.device) -> int:
-    """Splits over the keys so that a short chunk over a long context fills the GPU, with at
-    least 1024 keys per split."""
-    return max(1, min(triton.cdiv(2 * _sm_count(device), n_row_blocks), triton.cdiv(n_keys, 1024), _MAX_SPLITS))
+def num_splits(n_seqs: int, row_blocks: int, max_keys: int, tiles: AttentionTiles, device: torch.device) -> int:
+    """Key splits for ``n_seqs`` sequences of ``row_blocks`` query blocks each over at most
+    ``max_keys`` keys: enough programs for two per SM (at most 256 splits), no more splits than key
+    tiles, and (beyond one query block per sequence, a prompt chunk) at least 1024 keys per split.
+    Depends on shapes and bounds only, never on the positions, so a captured graph serves every length."""
+    want = triton.cdiv(2 * _sm_count(device), max(1, n_seqs * row_blocks))
+    keys_per_split = tiles.block_n if row_blocks == 1 else 1024
+    return max(1, min(want, triton.cdiv(max_keys, keys_per_split), _MAX_SPLITS))
 
 
 # ----------------------------------------------------------------------------------------------
-# Triton launchers
+# Triton launcher
 
 
-def _attention_triton(q3, k, v, q_pos, k_pos, window, *, consecutive, num_splits, tiles):
-    """Launch the forward (and merge) kernels for q3 [T, H, D] over k, v [S, D].
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    seqs: PagedSeqs,
+    *,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+    splits: int | None = None,
+    tiles: AttentionTiles | None = None,
+) -> torch.Tensor:
+    """Triton :func:`paged_attention_reference` (key splits, then a merge when there are several).
 
-    ``consecutive``: ``q_pos`` is the one-element position of token 0 (decode), else [T] positions.
-    ``k_pos`` [S] or None (key n is at position n). Returns [T, H, D] in q3.dtype.
+    ``splits`` defaults to :func:`num_splits` and ``tiles`` to :func:`attention_tiles`; both depend
+    on shapes and host bounds only, so the launch can be graph-captured. ``out`` [T, H, D] needs a
+    unit stride along the head dim.
     """
-    T, H, D = q3.shape
+    T, H, D = q.shape
     if D < 16 or D & (D - 1):
         raise ValueError(f"head dim {D} must be a power of two >= 16")
-    if k.dtype != q3.dtype or v.dtype != q3.dtype:
-        raise ValueError(f"q, k and v must share a dtype, got {q3.dtype}, {k.dtype}, {v.dtype}")
-    if q3.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+    if block_size & (block_size - 1):
+        raise ValueError(f"block size {block_size} must be a power of two")
+    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+    if q.stride(-1) != 1 or k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
         raise ValueError("q, k and v need a unit stride along the head dim")
+    out = torch.empty((T, H, D), dtype=q.dtype, device=q.device) if out is None else out
+    n_seqs = seqs.rows.shape[0]
+    if T == 0 or n_seqs == 0:
+        return out
+    tiles = tiles or attention_tiles(seqs.max_q_len, D, q.device)
+    row_blocks = triton.cdiv(seqs.max_q_len * H, tiles.block_r)
+    max_keys = seqs.max_keys if window is None else min(seqs.max_keys, window + seqs.max_q_len - 1)
+    splits = splits or num_splits(n_seqs, row_blocks, max_keys, tiles, q.device)
     n_rows = T * H
-    out = torch.empty((T, H, D), dtype=q3.dtype, device=q3.device)
-    if num_splits > 1:
-        part_acc = torch.empty((num_splits, n_rows, D), dtype=torch.float32, device=q3.device)
-        part_m = torch.empty((num_splits, n_rows), dtype=torch.float32, device=q3.device)
+    if splits > 1:
+        part_acc = torch.empty((splits, n_rows, D), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((splits, n_rows), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out
-    _attn_fwd_kernel[(triton.cdiv(n_rows, tiles.block_r), num_splits)](
-        q3, k, v, q_pos, q_pos if k_pos is None else k_pos, out, part_acc, part_m, part_l,
-        n_rows, k.shape[0], _NO_WINDOW if window is None else window,
-        q3.stride(0), q3.stride(1), k.stride(0), v.stride(0), out.stride(0), out.stride(1),
-        H=H, D=D, Q_POS_TENSOR=not consecutive, K_POS_TENSOR=k_pos is not None, SPLIT=num_splits > 1,
-        BLOCK_R=tiles.block_r, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **pdl_launch(q3, T),
+    pdl = pdl_launch(q, seqs.max_q_len)
+    _paged_attn_kernel[(row_blocks, splits, n_seqs)](
+        q, k_pool, v_pool, out, part_acc, part_m, part_l, seqs.positions, seqs.cu_q, seqs.rows, block_table,
+        n_rows, _NO_WINDOW if window is None else window,
+        q.stride(0), q.stride(1), k_pool.stride(0), v_pool.stride(0), out.stride(0), out.stride(1),
+        block_table.stride(0),
+        H=H, D=D, BS=block_size, SPLIT=splits > 1, BLOCK_R=tiles.block_r, BLOCK_N=tiles.block_n,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl,
     )
-    if num_splits > 1:
-        block_s = triton.next_power_of_2(num_splits)
+    if splits > 1:
+        block_s = triton.next_power_of_2(splits)
         block_d = min(D, max(16, 4096 // block_s))
         _attn_merge_kernel[(n_rows, D // block_d)](
-            part_acc, part_m, part_l, out, n_rows, num_splits, out.stride(0), out.stride(1),
-            H=H, D=D, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4, **pdl_launch(q3, T),
+            part_acc, part_m, part_l, out, n_rows, splits, out.stride(0), out.stride(1),
+            H=H, D=D, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4, **pdl,
         )
     return out
-
-
-def decode_attention_triton(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    pos: torch.Tensor,
-    *,
-    window: int | None = None,
-    slot_pos: torch.Tensor | None = None,
-    num_splits: int | None = None,
-    tiles: AttentionTiles | None = None,
-) -> torch.Tensor:
-    """Triton :func:`decode_attention_reference` (split-K over the cache, then a merge).
-
-    ``num_splits`` defaults to :func:`decode_num_splits` of the cache size and ``tiles`` to
-    :func:`attention_tiles`; both depend on shapes only, so the launch can be graph-captured.
-    """
-    q3 = _decode_queries(q, k_cache, window, slot_pos)
-    D = q3.shape[-1]
-    out = _attention_triton(
-        q3, k_cache, v_cache, pos, slot_pos, window, consecutive=True,
-        num_splits=num_splits or decode_num_splits(k_cache.shape[0], D, q.device),
-        tiles=tiles or attention_tiles("decode", D, q.device),
-    )
-    return out.reshape(q.shape)
-
-
-def prefill_attention_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    *,
-    window: int | None = None,
-    num_splits: int | None = None,
-    tiles: AttentionTiles | None = None,
-) -> torch.Tensor:
-    """Triton :func:`prefill_attention_reference` (flash-attention tiles, key splits when the
-    chunk alone cannot fill the GPU)."""
-    tiles = tiles or attention_tiles("prefill", q.shape[-1], q.device)
-    if num_splits is None:
-        n_row_blocks = triton.cdiv(q.shape[0] * q.shape[1], tiles.block_r)
-        num_splits = _prefill_num_splits(k.shape[0], n_row_blocks, q.device)
-    return _attention_triton(q, k, v, q_pos, k_pos, window, consecutive=False, num_splits=num_splits, tiles=tiles)
 
 
 # ----------------------------------------------------------------------------------------------
 # Dispatch
 
 
-def decode_attention(
+def paged_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    pos: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    seqs: PagedSeqs,
     *,
     window: int | None = None,
-    slot_pos: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention over a layer's cache. See :func:`decode_attention_reference`."""
-    fn = decode_attention_triton if use_triton(q) else decode_attention_reference
-    return fn(q, k_cache, v_cache, pos, window=window, slot_pos=slot_pos)
-
-
-def prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    *,
-    window: int | None = None,
-) -> torch.Tensor:
-    """Chunked-prefill attention. See :func:`prefill_attention_reference`."""
-    fn = prefill_attention_triton if use_triton(q) else prefill_attention_reference
-    return fn(q, k, v, q_pos, k_pos, window=window)
+    """Attention over a paged pool. See :func:`paged_attention_reference`."""
+    fn = paged_attention_triton if use_triton(q) else paged_attention_reference
+    return fn(q, k_pool, v_pool, block_table, block_size, seqs, window=window, out=out)

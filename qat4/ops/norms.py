@@ -161,21 +161,16 @@ def qk_norm_rope_store_reference(
     k_weight: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slot_pos: torch.Tensor | None,
+    slots: torch.Tensor,
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """:func:`qk_norm_rope_reference` whose k and v [T, 1, D] go straight into a layer's cache.
 
-    k_cache, v_cache [S, D]; token t is stored at slot positions[t] % S when slot_pos [S] is
-    given (a sliding ring; slot_pos[slot] records the position), else at slot positions[t].
-    Returns the rotated q [T, H, D].
+    k_cache, v_cache [S, D]; token t is stored at row slots[t] (int). Returns the rotated q [T, H, D].
     """
     q, k, v = qk_norm_rope_reference(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps)
-    slots = positions.long() % k_cache.shape[0] if slot_pos is not None else positions.long()
-    k_cache.index_copy_(0, slots, k[:, 0])
-    v_cache.index_copy_(0, slots, v[:, 0])
-    if slot_pos is not None:
-        slot_pos.index_copy_(0, slots, positions.to(slot_pos.dtype))
+    k_cache.index_copy_(0, slots.long(), k[:, 0])
+    v_cache.index_copy_(0, slots.long(), v[:, 0])
     return q
 
 
@@ -269,19 +264,18 @@ def _norm_rope_row(
 
 @triton.jit
 def _qkv_norm_rope_kernel(
-    Q, K, V, QO, KO, VO, QW, KW, CS, Pos, SP,
+    Q, K, V, QO, KO, VO, QW, KW, CS, Pos, Slots,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cs, n_rot, n_slots, eps,
+    stride_cs, n_rot, eps,
     HQ: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, NORM: tl.constexpr,
-    STORE: tl.constexpr, RING: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    STORE: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Per-head norm + RoPE of q, k and the V-norm of v, one launch.
 
     Q [T, HQ, D], K [T, HK, D], V [T, HV, D] (any token/head strides, unit dim stride; HK = HV = 0
     when absent); QO contiguous [T, HQ, D]; QW, KW [D]; CS [P, 2 * n_rot]; Pos [T] int.
     NORM=False only rotates q (plain RoPE). D = 2 * HALF. KO/VO are contiguous [T, HK, D], or,
-    with STORE (HK = HV = 1), a layer's cache [n_slots, D] written at slot Pos[t] (RING: at
-    Pos[t] % n_slots, recording Pos[t] in SP [n_slots]).
+    with STORE (HK = HV = 1), a layer's cache [S, D] written at row Slots[t] (int64).
     Grid: (T, HQ + HK + HV); program (t, h) handles one head row.
     """
     wait_for_previous_kernel(USE_PDL)
@@ -289,7 +283,7 @@ def _qkv_norm_rope_kernel(
     h = tl.program_id(1)
     p = tl.load(Pos + t)
     cs = CS + p * stride_cs
-    slot = p % n_slots if RING else p
+    slot = tl.load(Slots + t).to(tl.int64) if STORE else t
     if h < HQ:
         _norm_rope_row(Q + t * stride_qt + h * stride_qh, QO + (t * HQ + h) * (2 * HALF), QW, cs, n_rot, eps,
                        NORM, NORM, True, HALF, BLOCK)
@@ -297,8 +291,6 @@ def _qkv_norm_rope_kernel(
         hk = h - HQ
         dst = KO + slot * (2 * HALF) if STORE else KO + (t * HK + hk) * (2 * HALF)
         _norm_rope_row(K + t * stride_kt + hk * stride_kh, dst, KW, cs, n_rot, eps, True, True, True, HALF, BLOCK)
-        if RING:
-            tl.store(SP + slot, p.to(SP.dtype.element_ty))
     else:
         hv = h - HQ - HK
         dst = VO + slot * (2 * HALF) if STORE else VO + (t * HV + hv) * (2 * HALF)
@@ -373,12 +365,12 @@ def qk_norm_rope_store_triton(
     k_weight: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slot_pos: torch.Tensor | None,
+    slots: torch.Tensor,
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """Triton :func:`qk_norm_rope_store_reference`: the same single launch, k and v written into the cache."""
     return _launch_norm_rope(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, norm=True,
-                             cache=(k_cache, v_cache, slot_pos))[0]
+                             cache=(k_cache, v_cache, slots))[0]
 
 
 def _launch_norm_rope(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, norm, cache=None):
@@ -392,22 +384,20 @@ def _launch_norm_rope(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps
     if cache is None:
         ko = None if k is None else torch.empty((T, HK, D), dtype=k.dtype, device=k.device)
         vo = None if v is None else torch.empty((T, HV, D), dtype=v.dtype, device=v.device)
-        slot_pos, n_slots = None, 1
+        slots = positions
     else:
-        ko, vo, slot_pos = cache
-        n_slots = ko.shape[0]
+        ko, vo, slots = cache
     cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     block = triton.next_power_of_2(D // 2)
     _qkv_norm_rope_kernel[(T, HQ + HK + HV)](
         q, q if k is None else k, q if v is None else v,
         qo, qo if ko is None else ko, qo if vo is None else vo,
-        q if q_weight is None else q_weight, q if k_weight is None else k_weight, cs, positions,
-        positions if slot_pos is None else slot_pos,
+        q if q_weight is None else q_weight, q if k_weight is None else k_weight, cs, positions, slots,
         q.stride(0), q.stride(1),
         0 if k is None else k.stride(0), 0 if k is None else k.stride(1),
         0 if v is None else v.stride(0), 0 if v is None else v.stride(1),
-        cs.stride(0), cs.shape[-1] // 2, n_slots, eps,
-        HQ=HQ, HK=HK, HV=HV, NORM=norm, STORE=cache is not None, RING=slot_pos is not None, HALF=D // 2, BLOCK=block,
+        cs.stride(0), cs.shape[-1] // 2, eps,
+        HQ=HQ, HK=HK, HV=HV, NORM=norm, STORE=cache is not None, HALF=D // 2, BLOCK=block,
         num_warps=max(1, min(4, block // 64)), **pdl_launch(q, T),
     )
     return qo, None if cache else ko, None if cache else vo
@@ -459,12 +449,12 @@ def qk_norm_rope_store(
     k_weight: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slot_pos: torch.Tensor | None,
+    slots: torch.Tensor,
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """Head norms + RoPE with k, v stored into a layer's cache. See :func:`qk_norm_rope_store_reference`."""
     fn = qk_norm_rope_store_triton if use_triton(q) else qk_norm_rope_store_reference
-    return fn(q, k, v, positions, cos_sin_cache, q_weight, k_weight, k_cache, v_cache, slot_pos, eps)
+    return fn(q, k, v, positions, cos_sin_cache, q_weight, k_weight, k_cache, v_cache, slots, eps)
 
 
 def qk_norm_rope(

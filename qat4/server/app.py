@@ -27,7 +27,7 @@ from qat4.engine import DEFAULT_STOP_IDS
 from qat4.errors import Qat4Error
 from qat4.server.completions import Completions
 from qat4.server.errors import APIError, bad_request
-from qat4.server.generation import Generation, Scheduler, engine_token_source
+from qat4.server.generation import EngineLoop, Generation
 from qat4.server.metrics import Metrics
 from qat4.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Model,
                                  TokenizeRequest, parse_body)
@@ -129,25 +129,26 @@ async def respond(request: Request, gen: Generation, streamed: bool,
         gen.cancel()
 
 
-def create_app(engine: Any, *, api_key: str | None = None, max_queue: int = 8,
+def create_app(engine: Any, *, api_key: str | None = None, max_queue: int = 64,
                model_name: str = "gemma-4-e2b-it") -> FastAPI:
-    """The server app over a loaded engine (anything with the Engine's encode/stream/tokenizer/
-    config/max_ctx surface). At most `max_queue` requests wait while one generates."""
+    """The server app over a loaded engine (anything with the Engine's encode / add_request / step /
+    abort / tokenizer / config / max_ctx surface). At most `max_queue` requests wait to join the
+    running batch; more get 429."""
     if engine.tokenizer is None:
         raise Qat4Error("the model has no tokenizer; the server needs one to render chats and decode replies")
     metrics = Metrics()
-    scheduler = Scheduler(engine_token_source(engine), DEFAULT_STOP_IDS, max_queue, metrics)
-    completions = Completions(engine, scheduler, model_name)
+    loop = EngineLoop(engine, DEFAULT_STOP_IDS, max_queue, metrics)
+    completions = Completions(engine, loop, model_name)
     tokenizer = engine.tokenizer
     page = resources.files("qat4.server").joinpath("static/index.html").read_text(encoding="utf-8")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        scheduler.close()
+        loop.close()
 
     app = FastAPI(title="qat4", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.state.model_name, app.state.metrics, app.state.scheduler = model_name, metrics, scheduler
+    app.state.model_name, app.state.metrics, app.state.engine_loop = model_name, metrics, loop
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -168,8 +169,9 @@ def create_app(engine: Any, *, api_key: str | None = None, max_queue: int = 8,
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model_name, "queue_depth": int(metrics.queue_depth.value()),
-                "busy": bool(metrics.busy.value())}
+        return {"status": "ok", "model": model_name, "queue_depth": loop.waiting(),
+                "running": len(engine.scheduler.running), "busy": bool(engine.scheduler.running),
+                "kv_pool_usage": engine.pool.usage()}
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:

@@ -18,7 +18,7 @@ from qat4.chat import ReplyStream, parse_reply
 from qat4.errors import Qat4Error
 from qat4.server.chat_prompt import ChatPrompt, build_chat_prompt
 from qat4.server.errors import APIError, bad_request
-from qat4.server.generation import Finished, Generation, QueueFull, GenerationParams, Scheduler, ShuttingDown
+from qat4.server.generation import EngineLoop, Finished, Generation, GenerationParams, QueueFull, ShuttingDown
 from qat4.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 
@@ -68,10 +68,10 @@ def _error_event(exc: Exception) -> dict[str, Any]:
 
 
 class Completions:
-    """The OpenAI completion endpoints over one engine and its scheduler."""
+    """The OpenAI completion endpoints over one engine and its step loop."""
 
-    def __init__(self, engine: Any, scheduler: Scheduler, model_name: str):
-        self.engine, self.scheduler, self.model_name = engine, scheduler, model_name
+    def __init__(self, engine: Any, loop: EngineLoop, model_name: str):
+        self.engine, self.loop, self.model_name = engine, loop, model_name
         self.tokenizer = engine.tokenizer
 
     # ---- requests -> prompt ids ----------------------------------------------------------------
@@ -93,6 +93,10 @@ class Completions:
             raise bad_request(f"The prompt has {prompt_n} tokens and {param} asks for {max_tokens} more, "
                               f"{prompt_n + max_tokens} in all, but the context holds {self.engine.max_ctx} tokens.",
                               param=param, code="context_length_exceeded")
+        try:
+            self.engine.check_request(prompt_n, max_tokens)
+        except Qat4Error as exc:
+            raise bad_request(f"{str(exc)[0].upper()}{str(exc)[1:]}.", param=param, code="context_length_exceeded") from None
         return GenerationParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                               seed=req.seed, stop=tuple(req.stop_strings()))
 
@@ -122,9 +126,9 @@ class Completions:
     def start(self, prepared: Prepared) -> Generation:
         """Queue the generation; 429 with Retry-After when the queue is full, 503 when shutting down."""
         try:
-            return self.scheduler.submit(prepared.prompt_ids, prepared.params, self.decode)
+            return self.loop.submit(prepared.prompt_ids, prepared.params, self.decode)
         except QueueFull as exc:
-            raise APIError(429, f"{exc} {self.scheduler.max_queue} requests are already waiting.",
+            raise APIError(429, f"{exc} {self.loop.max_waiting} requests are already waiting.",
                            type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(exc.retry_after)}) from None
         except ShuttingDown as exc:

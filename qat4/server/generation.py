@@ -1,28 +1,30 @@
-"""One generation at a time: a bounded wait queue, a worker thread, cancellation between tokens.
+"""Many generations at once: the engine's step loop in one thread, each request fed its own tokens.
 
-`Scheduler.submit(prompt_ids, params, decode)` queues a `Generation`, whose `events()` are text
-deltas followed by one `Finished`. The engine runs in a single worker thread so the event loop
-stays free to accept, reject (429) and serve other requests. Leaving `events()` early (a client
-that went away) cancels the job: a waiting job never starts, a running one stops before its next
-token.
+`EngineLoop.submit(prompt_ids, params, decode)` queues a `Generation`, whose `events()` are text
+deltas followed by one `Finished`. One engine thread adds requests to the engine's batch and runs
+its steps while any sequence waits or runs, so the event loop stays free to accept, reject (429,
+only when the waiting queue is full) and serve other requests. Leaving `events()` early (a client
+that went away) aborts the request's sequence before the next step, which gives its KV back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from qat4.server.metrics import Metrics
 
+log = logging.getLogger("qat4.server")
+
 
 class ShuttingDown(Exception):
-    """The scheduler was closed; no new generation starts."""
+    """The engine loop was closed; no new generation starts."""
 
 
 class QueueFull(Exception):
@@ -43,21 +45,23 @@ class GenerationParams:
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # generate through end-of-turn tokens, up to max_tokens
 
 
 @dataclass
 class Timings:
     """llama.cpp-style timings. prompt_ms runs from the start of the generation to the first token
     (prompt read, first token picked), predicted_ms from the first token to the last; the decode
-    rate counts the tokens after the first over predicted_ms."""
+    rate counts the tokens after the first over predicted_ms, and is None with fewer than two."""
 
     prompt_n: int
     prompt_ms: float
     predicted_n: int
     predicted_ms: float
 
-    def as_dict(self) -> dict[str, float]:
-        decode_per_s = round(max(self.predicted_n - 1, 0) / self.predicted_ms * 1e3, 2) if self.predicted_ms > 0 else 0.0
+    def as_dict(self) -> dict[str, float | None]:
+        steps = self.predicted_n - 1  # a rate needs two decode steps: the first was enqueued before token 1 came back
+        decode_per_s = round(steps / self.predicted_ms * 1e3, 2) if steps >= 2 and self.predicted_ms > 0 else None
         return {
             "prompt_n": self.prompt_n,
             "prompt_ms": round(self.prompt_ms, 3),
@@ -132,19 +136,17 @@ class StopStrings:
         return "" if self.hit else held
 
 
-TokenSource = Callable[[list[int], GenerationParams, Callable[[], bool]], Iterator[int]]
-"""(prompt ids, sampling, should_stop) -> generated token ids; runs in the worker thread."""
-
-
 @dataclass
 class _Job:
+    """A request as the engine thread and the event loop share it."""
+
     prompt_ids: list[int]
     params: GenerationParams
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
-    cancel: threading.Event = field(default_factory=threading.Event)
-    state: str = "waiting"  # waiting -> running | abandoned
-    started_at: float = 0.0
+    seq: Any = None  # the engine's sequence, once the engine thread has added it
+    started_at: float = 0.0  # admitted to the running batch
+    gone: bool = False  # the request left: abort at the next chance
 
     def put(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
@@ -153,108 +155,163 @@ class _Job:
 _END = object()
 
 
-class Scheduler:
-    """Runs generations one at a time through `token_source`, with at most `max_queue` waiting."""
+def _deliver(items: list[tuple[_Job, Any]]) -> None:
+    """On the event loop: hand each job its item (a token or the end marker)."""
+    for job, item in items:
+        job.out.put_nowait(item)
 
-    def __init__(self, token_source: TokenSource, stop_token_ids: Iterable[int], max_queue: int, metrics: Metrics):
-        self._token_source = token_source
+
+class EngineLoop:
+    """The engine's step loop in one thread; requests join and leave it between steps.
+
+    `submit` hands a request to the loop (raising QueueFull when `max_waiting` already wait to
+    be admitted); the loop thread adds it to the engine, steps while any sequence waits or runs,
+    and puts each sequence's tokens on its request's queue. Engine methods run in that thread
+    only; the event loop talks to it through an inbox.
+    """
+
+    def __init__(self, engine: Any, stop_token_ids: Iterable[int], max_waiting: int, metrics: Metrics):
+        self.engine, self.max_waiting, self.metrics = engine, max_waiting, metrics
         self.stop_token_ids = frozenset(stop_token_ids)
-        self.max_queue, self.metrics = max_queue, metrics
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qat4-generate")
-        self._lock = threading.Lock()
-        self._waiting = 0
-        self._current: _Job | None = None  # the running job
+        self._cond = threading.Condition()
+        self._inbox: list[_Job] = []
+        self._jobs: dict[int, _Job] = {}  # sequence id -> job, for sequences in the engine
         self._closed = False
-        self._seconds_per_job = 1.0  # running average of job durations, for Retry-After
+        self._seconds_per_request = 1.0  # running average of request durations, for Retry-After
+        self._thread = threading.Thread(target=self._run, name="qat4-engine", daemon=True)
+        self._thread.start()
 
-    def _update_gauges(self) -> None:
-        self.metrics.queue_depth.set(self._waiting)
-        self.metrics.busy.set(0 if self._current is None else 1)
+    # ---- the event loop's side -----------------------------------------------------------------
 
-    def _reserve(self) -> None:
-        with self._lock:
-            if self._closed:
-                raise ShuttingDown("The server is shutting down.")
-            if (self._current is not None or self._waiting) and self._waiting >= self.max_queue:
-                self.metrics.rejected.inc()
-                raise QueueFull(max(1, math.ceil(self._seconds_per_job * (self._waiting + 1))))
-            self._waiting += 1
-            self._update_gauges()
-
-    def _start(self, job: _Job) -> bool:
-        """Make `job` the running one; False when its request left or the scheduler closed."""
-        with self._lock:
-            if job.state == "abandoned":
-                return False
-            self._waiting -= 1
-            if self._closed:
-                job.state = "abandoned"
-                self._update_gauges()
-                job.put(_END)
-                return False
-            job.state, job.started_at = "running", time.perf_counter()
-            self._current = job
-            self._update_gauges()
-            return True
-
-    def _abandon(self, job: _Job) -> None:
-        job.cancel.set()
-        with self._lock:
-            if job.state == "waiting":
-                job.state = "abandoned"
-                self._waiting -= 1
-                self._update_gauges()
-
-    def _run(self, job: _Job) -> None:
-        """Worker thread: feed token ids (or an exception) into the job's queue, then _END."""
-        if not self._start(job):
-            return
-        try:
-            for token_id in self._token_source(job.prompt_ids, job.params, job.cancel.is_set):
-                job.put(token_id)
-                if job.cancel.is_set():
-                    break
-        except Exception as exc:  # re-raised in the request that owns the job
-            job.put(exc)
-        finally:
-            with self._lock:
-                self._current = None
-                self._seconds_per_job = 0.8 * self._seconds_per_job + 0.2 * (time.perf_counter() - job.started_at)
-                self._update_gauges()
-            job.put(_END)
+    def waiting(self) -> int:
+        """Requests that the running batch has no room for yet (those it can take at the next
+        step are not waiting)."""
+        scheduler = self.engine.scheduler
+        room = max(0, self.engine.max_num_seqs - len(scheduler.running))
+        return max(0, len(self._inbox) + len(scheduler.waiting) - room)
 
     def submit(self, prompt_ids: list[int], params: GenerationParams, decode: Callable[[list[int]], str]) -> Generation:
-        """Queue a generation (raises QueueFull when every waiting slot is taken)."""
-        self._reserve()
-        loop = asyncio.get_running_loop()
-        job = _Job(list(prompt_ids), params, loop, asyncio.Queue())
-        loop.run_in_executor(self._executor, self._run, job)
+        """Queue a generation (raises QueueFull when every waiting place is taken)."""
+        with self._cond:
+            if self._closed:
+                raise ShuttingDown("The server is shutting down.")
+            waiting = self.waiting()
+            if waiting >= self.max_waiting and (waiting or self.engine.scheduler.running):
+                self.metrics.rejected.inc()
+                running = max(1, len(self.engine.scheduler.running))
+                raise QueueFull(max(1, math.ceil(self._seconds_per_request * (waiting + 1) / running)))
+            job = _Job(list(prompt_ids), params, asyncio.get_running_loop(), asyncio.Queue())
+            self._inbox.append(job)
+            self._cond.notify()
         return Generation(self, job, decode)
 
+    def cancel(self, job: _Job) -> None:
+        """The request left: its sequence is aborted before the next step."""
+        with self._cond:
+            job.gone = True
+            self._cond.notify()
+
     def close(self) -> None:
-        """Stop the running generation at its next token and end the waiting ones unstarted, so
-        every open request finishes at once; new requests are refused (ShuttingDown)."""
-        with self._lock:
+        """End every request at once (open answers finish); new requests are refused (ShuttingDown)."""
+        with self._cond:
             self._closed = True
-            if self._current is not None:
-                self._current.cancel.set()
-        self._executor.shutdown(wait=False)
+            self._cond.notify()
+
+    # ---- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not (self._inbox or self._closed or engine.has_work):
+                    self._cond.wait()
+                arrived, self._inbox = self._inbox, []
+                closed = self._closed
+            for job in arrived:
+                self._add(job)
+            for job in list(self._jobs.values()):
+                if job.gone or closed:
+                    self._end(job, abort=True)
+            if closed and not self._jobs:
+                engine.drain()
+                return
+            if engine.has_work:
+                self._step()
+
+    def _add(self, job: _Job) -> None:
+        if job.gone or self._closed:
+            job.put(_END)
+            return
+        p = job.params
+        try:
+            job.seq = self.engine.add_request(job.prompt_ids, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed,
+                                              [] if p.ignore_eos else list(self.stop_token_ids))
+        except Exception as exc:  # re-raised in the request that owns the job
+            job.put(exc)
+            job.put(_END)
+            return
+        self._jobs[job.seq.id] = job
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # the step failed: every request in the engine gets the error
+            log.exception("engine step failed")
+            for job in list(self._jobs.values()):
+                job.put(exc)
+                self._end(job, abort=True)
+            self.engine.drain()
+            return
+        self._observe()
+        delivered = []
+        for out in outputs:
+            job = self._jobs.get(out.seq.id)
+            if job is None:
+                continue
+            job.started_at = out.seq.started
+            delivered.append((job, out.token))
+            if out.finished:
+                self._end(job, deliver=delivered)
+        if delivered:  # one wake-up of the event loop per step, not per token
+            delivered[0][0].loop.call_soon_threadsafe(_deliver, delivered)
+
+    def _end(self, job: _Job, abort: bool = False, deliver: list | None = None) -> None:
+        """Drop a finished or aborted job; its end marker goes out with ``deliver`` when given."""
+        if abort:
+            self.engine.abort(job.seq)
+        del self._jobs[job.seq.id]
+        self._seconds_per_request = 0.8 * self._seconds_per_request + 0.2 * (time.perf_counter() - job.seq.arrived)
+        if deliver is None:
+            job.put(_END)
+        else:
+            deliver.append((job, _END))
+
+    def _observe(self) -> None:
+        """Gauges after a step: running and waiting sequences, KV pool use."""
+        scheduler, m = self.engine.scheduler, self.metrics
+        m.running.set(len(scheduler.running))
+        m.queue_depth.set(self.waiting())
+        m.busy.set(1 if scheduler.running else 0)
+        for kind, share in self.engine.pool.usage().items():
+            m.kv_usage.set(share, kind)
+        m.batch_size.observe(len(scheduler.running))
 
 
 class Generation:
     """One queued or running generation; iterate `events()` once, `cancel()` to drop it."""
 
-    def __init__(self, scheduler: Scheduler, job: _Job, decode: Callable[[list[int]], str]):
-        self._scheduler, self._job, self._decode = scheduler, job, decode
+    def __init__(self, loop: EngineLoop, job: _Job, decode: Callable[[list[int]], str]):
+        self._loop, self._job, self._decode = loop, job, decode
         self._arrived = time.perf_counter()
 
     def cancel(self) -> None:
-        """Stop at once: a waiting job never starts, a running one stops before its next token."""
-        self._scheduler._abandon(self._job)
+        """Stop at once: a waiting request never starts, a running one leaves before the next step."""
+        self._loop.cancel(self._job)
 
     async def events(self) -> AsyncIterator[str | Finished]:
         """Text deltas, then one Finished. Leaving early (or being cancelled) cancels the job."""
-        job, metrics = self._job, self._scheduler.metrics
+        job, metrics = self._job, self._loop.metrics
+        stop_ids = frozenset() if job.params.ignore_eos else self._loop.stop_token_ids
         decoder, stops = IncrementalDecoder(self._decode), StopStrings(job.params.stop)
         n, first, by_token = 0, 0.0, False
         try:
@@ -265,7 +322,7 @@ class Generation:
                     first = time.perf_counter()
                     metrics.ttft.observe(first - self._arrived)
                 n += 1
-                if item in self._scheduler.stop_token_ids:
+                if item in stop_ids:
                     by_token = True
                     break
                 delta = stops.feed(decoder.push(item))
@@ -278,21 +335,11 @@ class Generation:
                 yield tail
         finally:
             self.cancel()
+            metrics.prompt_tokens.inc(amount=len(job.prompt_ids))
+            metrics.generated_tokens.inc(amount=n)
         end = time.perf_counter()
         reason = "stop" if by_token or stops.hit or n < job.params.max_tokens else "length"
-        metrics.prompt_tokens.inc(amount=len(job.prompt_ids))
-        metrics.generated_tokens.inc(amount=n)
         metrics.generations.inc(reason)
         prompt_ms = ((first if n else end) - (job.started_at or self._arrived)) * 1e3
         timings = Timings(len(job.prompt_ids), prompt_ms, n, (end - first) * 1e3 if n else 0.0)
         yield Finished(reason, len(job.prompt_ids), n, timings)
-
-
-def engine_token_source(engine: Any) -> TokenSource:
-    """Generated token ids from `engine.stream`, which checks `should_stop` between tokens."""
-
-    def tokens(prompt_ids: list[int], params: GenerationParams, should_stop: Callable[[], bool]) -> Iterator[int]:
-        return engine.stream(prompt_ids, max_new_tokens=params.max_tokens, temperature=params.temperature,
-                             top_k=params.top_k, top_p=params.top_p, seed=params.seed, should_stop=should_stop)
-
-    return tokens

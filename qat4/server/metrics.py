@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 
 LabelKey = tuple[str, ...]
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -69,24 +70,25 @@ class Counter(_Metric):
 
 
 class Gauge(_Metric):
-    """A value that goes up and down (no labels)."""
+    """A value that goes up and down, per label set."""
 
     kind = "gauge"
 
     def __init__(self, *args):
         super().__init__(*args)
-        self._value = 0.0
+        self._values: dict[LabelKey, float] = {} if self.label_names else {(): 0.0}
 
-    def set(self, value: float) -> None:
+    def set(self, value: float, *labels: str) -> None:
         with self._lock:
-            self._value = float(value)
+            self._values[labels] = float(value)
 
-    def value(self) -> float:
+    def value(self, *labels: str) -> float:
         with self._lock:
-            return self._value
+            return self._values.get(labels, 0.0)
 
     def render(self) -> list[str]:
-        return self._header() + [f"{self.name} {_number(self._value)}"]
+        return self._header() + [f"{self.name}{_labels(self.label_names, key)} {_number(v)}"
+                                 for key, v in sorted(self._values.items())]
 
 
 class Histogram(_Metric):
@@ -135,12 +137,16 @@ class Metrics:
         self.rejected = Counter("qat4_queue_rejections_total", "Requests answered 429 because the queue was full.", (), lock)
         self.latency = Histogram("qat4_request_duration_seconds", "HTTP request latency, to the last byte sent.", LATENCY_BUCKETS, lock)
         self.ttft = Histogram("qat4_time_to_first_token_seconds", "From a generation request's arrival (queue wait included) to its first token.", LATENCY_BUCKETS, lock)
-        self.queue_depth = Gauge("qat4_queue_depth", "Generation requests waiting for the engine.", (), lock)
+        self.queue_depth = Gauge("qat4_queue_depth", "Generation requests waiting to join the running batch.", (), lock)
+        self.running = Gauge("qat4_running_sequences", "Sequences in the running batch.", (), lock)
         self.busy = Gauge("qat4_engine_busy", "1 while the engine is generating.", (), lock)
+        self.kv_usage = Gauge("qat4_kv_pool_usage", "Share of the KV pool's blocks in use, by layer type.", ("layer_type",), lock)
+        self.batch_size = Histogram("qat4_batch_size", "Sequences in the running batch, once per engine step.", BATCH_BUCKETS, lock)
 
     def render(self) -> str:
         with self._lock:
             metrics = (self.requests, self.prompt_tokens, self.generated_tokens, self.generations, self.rejected,
-                       self.latency, self.ttft, self.queue_depth, self.busy)
+                       self.latency, self.ttft, self.queue_depth, self.running, self.busy, self.kv_usage,
+                       self.batch_size)
             lines = [line for m in metrics for line in m.render()]
         return "\n".join(lines) + "\n"

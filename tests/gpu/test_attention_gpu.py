@@ -1,6 +1,7 @@
 """Attention and norm kernels at Gemma 4 E2B shapes on a CUDA GPU, in bf16 and fp16, against the
-torch references; decode replayed from a CUDA graph at changing positions; the attention tiles
-chosen for 64-KiB-shared-memory parts (sm_75) compiled for sm_75."""
+torch references: decode rows of 1 to 64 sequences over paged KV up to 131,072 keys, prompt chunks,
+decode replayed from a CUDA graph at changing positions; the attention tiles chosen for
+64-KiB-shared-memory parts (sm_75) compiled for sm_75."""
 
 import pytest
 import torch
@@ -30,96 +31,99 @@ def assert_attention_close(actual, expected):
     assert actual.dtype == expected.dtype and err < 1e-2, err
 
 
-def ring_positions(newest, slots):
-    """slot_pos of a ring after writing positions 0..newest at slot = position % slots."""
-    pos = torch.arange(slots, device="cuda")
-    pos = newest - (newest - pos) % slots
-    return torch.where(pos >= 0, pos, -1).to(torch.int32)
+def paged(lengths, D, dtype, BS=16):
+    """Keys and values of sequences of these lengths in one pool of shuffled blocks, the block
+    table, and each sequence's contiguous history."""
+    blocks = [-(-n // BS) for n in lengths]
+    order = torch.randperm(sum(blocks), device="cuda").int() + 1
+    k = rand((sum(blocks) + 1) * BS, D, dtype=dtype)
+    v = rand((sum(blocks) + 1) * BS, D, dtype=dtype)
+    table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32, device="cuda")
+    at = 0
+    for r, b in enumerate(blocks):
+        table[r, :b] = order[at : at + b]
+        at += b
+    return k, v, table
+
+
+def seqs(q_lens, ends):
+    positions = torch.cat([torch.arange(e - n, e) for n, e in zip(q_lens, ends)]).cuda()
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device="cuda")
+    return attn.PagedSeqs(positions, cu, torch.arange(len(q_lens), device="cuda"), max(q_lens), max(ends))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_full_cache_at_e2b_lengths(dtype):
-    k, v = rand(CACHE, 512, dtype=dtype), rand(CACHE, 512, dtype=dtype)
-    q = rand(H, 512, dtype=dtype)
-    for length in (1, 31, 512, 513, 4097, 65536, CACHE):
-        pos = torch.tensor(length - 1, device="cuda")
-        assert_attention_close(attn.decode_attention_triton(q, k, v, pos), attn.decode_attention_reference(q, k, v, pos))
+def test_decode_rows_at_e2b_lengths(dtype):
+    """One decode row per sequence, 1 .. 131,072 keys, full layers (512 wide) and the sliding window (256)."""
+    lengths = [1, 31, 512, 513, 4097, 65536, CACHE]
+    for D, window in ((512, None), (256, W)):
+        k, v, table = paged(lengths, D, dtype)
+        q = rand(len(lengths), H, D, dtype=dtype)
+        args = (q, k, v, table, 16, seqs([1] * len(lengths), lengths))
+        assert_attention_close(attn.paged_attention_triton(*args, window=window),
+                               attn.paged_attention_reference(*args, window=window))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_sliding_ring_at_e2b_shape(dtype):
-    k, v = rand(W, 256, dtype=dtype), rand(W, 256, dtype=dtype)
-    for newest in (0, 100, 511, 512, 5000):
-        q, pos, slot_pos = rand(H, 256, dtype=dtype), torch.tensor([newest], device="cuda"), ring_positions(newest, W)
-        kw = dict(window=W, slot_pos=slot_pos)
-        assert_attention_close(attn.decode_attention_triton(q, k, v, pos, **kw), attn.decode_attention_reference(q, k, v, pos, **kw))
-
-
-@pytest.mark.parametrize("M", [2, 5, 16])
-def test_decode_several_tokens(M):
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_decode_batches_of_sequences(batch):
     dtype = torch.bfloat16
-    pos = torch.tensor(3000, device="cuda")
-    q, k, v = rand(M, H, 512, dtype=dtype), rand(8192, 512, dtype=dtype), rand(8192, 512, dtype=dtype)
-    assert_attention_close(attn.decode_attention_triton(q, k, v, pos), attn.decode_attention_reference(q, k, v, pos))
-    slots = W + M - 1
-    q, k, v = rand(M, H, 256, dtype=dtype), rand(slots, 256, dtype=dtype), rand(slots, 256, dtype=dtype)
-    kw = dict(window=W, slot_pos=ring_positions(3000 + M - 1, slots))
-    assert_attention_close(attn.decode_attention_triton(q, k, v, pos, **kw), attn.decode_attention_reference(q, k, v, pos, **kw))
+    lengths = torch.randint(1, 9000, (batch,)).tolist()
+    for D, window in ((512, None), (256, W)):
+        k, v, table = paged(lengths, D, dtype)
+        q = rand(batch, H, D, dtype=dtype)
+        args = (q, k, v, table, 16, seqs([1] * batch, lengths))
+        assert_attention_close(attn.paged_attention_triton(*args, window=window),
+                               attn.paged_attention_reference(*args, window=window))
 
 
-def test_decode_graph_replay_follows_the_position_tensor():
-    """One capture per layer type; replays at other positions (other split boundaries) stay right."""
+def test_decode_graph_replay_follows_the_positions():
+    """One capture; replays at other positions (other split boundaries) stay right."""
     dtype = torch.bfloat16
-    k, v, q = rand(CACHE, 512, dtype=dtype), rand(CACHE, 512, dtype=dtype), rand(H, 512, dtype=dtype)
-    kr, vr, qr = rand(W, 256, dtype=dtype), rand(W, 256, dtype=dtype), rand(H, 256, dtype=dtype)
-    pos = torch.tensor([7], device="cuda")
-    slot_pos = ring_positions(7, W)
-    step = lambda: (
-        attn.decode_attention_triton(q, k, v, pos),
-        attn.decode_attention_triton(qr, kr, vr, pos, window=W, slot_pos=slot_pos),
+    lengths = [CACHE, CACHE]
+    k, v, table = paged(lengths, 512, dtype)
+    kr, vr, tr = paged(lengths, 256, dtype)
+    q, qr = rand(2, H, 512, dtype=dtype), rand(2, H, 256, dtype=dtype)
+    batch = seqs([1, 1], [8, 8])
+    step = lambda: (  # noqa: E731
+        attn.paged_attention_triton(q, k, v, table, 16, batch._replace(max_keys=CACHE)),
+        attn.paged_attention_triton(qr, kr, vr, tr, 16, batch._replace(max_keys=CACHE), window=W),
     )
     step()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         full_out, ring_out = step()
-    for newest in (7, 600, 20000, CACHE - 1):
-        pos.fill_(newest)
-        slot_pos.copy_(ring_positions(newest, W))
+    for newest in ((7, 600), (20000, 3), (CACHE - 1, 513)):
+        batch.positions.copy_(torch.tensor(newest))
         graph.replay()
-        assert_attention_close(full_out, attn.decode_attention_reference(q, k, v, pos))
-        assert_attention_close(ring_out, attn.decode_attention_reference(qr, kr, vr, pos, window=W, slot_pos=slot_pos))
+        now = batch._replace(max_keys=CACHE)
+        assert_attention_close(full_out, attn.paged_attention_reference(q, k, v, table, 16, now))
+        assert_attention_close(ring_out, attn.paged_attention_reference(qr, kr, vr, tr, 16, now, window=W))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_sliding_ring_plus_chunk(dtype):
-    T, start = 256, 3000
-    q_pos = torch.arange(start, start + T, device="cuda")
-    k_pos = torch.cat([ring_positions(start - 1, W), q_pos.to(torch.int32)])
-    q, k, v = rand(T, H, 256, dtype=dtype), rand(W + T, 256, dtype=dtype), rand(W + T, 256, dtype=dtype)
-    args = (q, k, v, q_pos, k_pos)
-    assert_attention_close(attn.prefill_attention_triton(*args, window=W), attn.prefill_attention_reference(*args, window=W))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n_keys", [256, 700, 4096 + 256, 32768])
-def test_prefill_full_layer(dtype, n_keys):
+@pytest.mark.parametrize("start", [0, 700, 4096, 32768])
+def test_prompt_chunks(dtype, start):
+    """A 256-token chunk at `start` beside a 64-token one at 0, both layer types."""
     T = 256
-    k_pos = torch.arange(n_keys, device="cuda")
-    q, k, v = rand(T, H, 512, dtype=dtype), rand(n_keys, 512, dtype=dtype), rand(n_keys, 512, dtype=dtype)
-    args = (q, k, v, k_pos[-T:], k_pos)
-    assert_attention_close(attn.prefill_attention_triton(*args), attn.prefill_attention_reference(*args))
+    ends = [start + T, 64]
+    for D, window in ((512, None), (256, W)):
+        k, v, table = paged(ends, D, dtype)
+        q = rand(T + 64, H, D, dtype=dtype)
+        args = (q, k, v, table, 16, seqs([T, 64], ends))
+        assert_attention_close(attn.paged_attention_triton(*args, window=window),
+                               attn.paged_attention_reference(*args, window=window))
 
 
 def _compile_for_sm75(kind, head_dim, split):
     tiles = attn._tiles(kind, head_dim, small_smem=True)
-    signature = {name: "i32" for name in attn._attn_fwd_kernel.arg_names}
+    signature = {name: "i32" for name in attn._paged_attn_kernel.arg_names}
     signature.update({name: "*fp16" for name in ("Q", "K", "V", "Out")})
     signature.update({name: "*fp32" for name in ("PartAcc", "PartM", "PartL")})
-    signature.update({"QPos": "*i64", "KPos": "*i32"})
-    constexprs = {"H": H, "D": head_dim, "Q_POS_TENSOR": kind == "prefill", "K_POS_TENSOR": True, "SPLIT": split,
-                  "BLOCK_R": tiles.block_r, "BLOCK_N": tiles.block_n, "USE_PDL": False}  # PDL needs sm_90
+    signature.update({"Pos": "*i64", "CuQ": "*i64", "SeqRows": "*i64", "BlockTable": "*i32"})
+    constexprs = {"H": H, "D": head_dim, "BS": 16, "SPLIT": split, "BLOCK_R": tiles.block_r,
+                  "BLOCK_N": tiles.block_n, "USE_PDL": False}  # PDL needs sm_90
     signature.update({name: "constexpr" for name in constexprs})
-    src = ASTSource(attn._attn_fwd_kernel, signature, constexprs)
+    src = ASTSource(attn._paged_attn_kernel, signature, constexprs)
     options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     return triton.compile(src, target=GPUTarget("cuda", 75, 32), options=options)
 

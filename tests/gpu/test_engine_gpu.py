@@ -17,7 +17,8 @@ import torch
 
 from qat4.checkpoint.synth import synthetic_model
 from qat4.config import E2B
-from qat4.engine import Engine
+from qat4.engine import Engine, SamplingParams
+from qat4.engine.sequence import Sequence
 from qat4.reference import cast, hf_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -81,9 +82,26 @@ def check_against_hf(name: str, got: torch.Tensor, fp32: torch.Tensor, bf16: tor
     assert top1 >= hf_top1 - TOP1_SLACK
 
 
+def teacher_forced_logits(engine, ids, prompt, chunk=256):
+    """Logits at positions prompt-1 .. len(ids)-1: the prompt read in chunks, then one token per
+    forward (the decode kernels: one row of x), as a decode step runs them."""
+    seq = Sequence(ids, SamplingParams(temperature=0), 0, 1, frozenset())
+    seq.slot = engine.pool.open_slot()
+    feeds = [min(chunk, prompt - s) for s in range(0, prompt, chunk)] + [1] * (len(ids) - prompt)
+    hidden = []
+    with torch.no_grad():
+        for n in feeds:
+            engine.pool.grow(seq.slot, seq.num_computed + n, seq.num_computed)
+            engine.pool.flush()
+            hidden.append(engine.runner.forward_chunks([(seq, n)])[0][-1:])
+            seq.num_computed += n
+        engine.pool.close_slot(seq.slot)
+        return engine.model.logits(torch.cat(hidden[len(feeds) - (len(ids) - prompt) - 1 : -1]))
+
+
 def test_engine_is_bf16_with_graphs(engine):
     assert engine.dtype == (torch.bfloat16 if torch.cuda.get_device_capability()[0] >= 8 else torch.float16)
-    assert engine.step.use_graph and "greedy" in engine.step.graphs  # captured at load
+    assert engine.runner.use_graph and all((b, 1) in engine.runner.graphs for b in engine.runner.sizes)  # at load
 
 
 def test_prefill_logits_vs_hf(engine, ids, reference):
@@ -92,19 +110,11 @@ def test_prefill_logits_vs_hf(engine, ids, reference):
 
 
 def test_decode_logits_vs_hf_past_the_window(engine, ids, reference):
-    """Teacher-forced decode steps from position DECODE_FROM to SEQ-1: every sliding ring wraps."""
+    """Teacher-forced decode steps from position DECODE_FROM to SEQ-1: every sliding window moves on."""
     fp32, bf16 = reference
-    model, cache = engine.model, engine.cache
-    tokens = torch.tensor(ids, device="cuda")
-    with torch.no_grad():
-        engine._prefill(ids[:DECODE_FROM])
-        pos = torch.tensor([DECODE_FROM], device="cuda")
-        hidden = []
-        for i in range(DECODE_FROM, SEQ):
-            hidden.append(model.decode(tokens[i : i + 1], pos, cache))
-            pos += 1
-        got = model.logits(torch.cat(hidden))
-    check_against_hf(f"decode steps at positions {DECODE_FROM}..{SEQ - 1}", got, fp32[DECODE_FROM:], bf16[DECODE_FROM:])
+    got = teacher_forced_logits(engine, ids, DECODE_FROM)
+    check_against_hf(f"decode steps at positions {DECODE_FROM}..{SEQ - 1}", got, fp32[DECODE_FROM - 1 : -1],
+                     bf16[DECODE_FROM - 1 : -1])
 
 
 @pytest.mark.parametrize("options", [
@@ -124,20 +134,11 @@ def test_graph_replay_equals_eager(engine, eager_engine, ids, options):
 
 def test_greedy_graph_tokens_are_the_argmax_of_the_decode_logits(engine, ids):
     """64 greedy tokens from the graph (fused argmax) equal torch.argmax of the softcapped logits of
-    the same decode steps run eagerly: the graph, the fused argmax and the ring agree exactly.
+    the same decode steps run eagerly: the graph, the fused argmax and the pages agree exactly.
     Agreement with a prefill over the same tokens (GEMM instead of GEMV rounding) is printed."""
     prompt = ids[:520]
     tokens = engine.generate(prompt, max_new_tokens=64, temperature=0, stop_token_ids=[]).tokens
-    model, cache = engine.model, engine.cache
-    sequence = torch.tensor(prompt + tokens, device="cuda")
-    with torch.no_grad():
-        engine._prefill(prompt[:-1])
-        pos = torch.tensor([len(prompt) - 1], device="cuda")
-        hidden = []
-        for i in range(len(prompt) - 1, len(prompt) + 63):
-            hidden.append(model.decode(sequence[i : i + 1], pos, cache))
-            pos += 1
-        decode_logits = model.logits(torch.cat(hidden))
+    decode_logits = teacher_forced_logits(engine, prompt + tokens, len(prompt))
     prefill_logits = engine.logits(prompt + tokens)[len(prompt) - 1 : -1]
     same = float((prefill_logits.argmax(-1).cpu() == torch.tensor(tokens)).float().mean())
     print(f"\ngreedy tokens equal to the prefill argmax at {same:.2%} of 64 positions")
@@ -146,7 +147,8 @@ def test_greedy_graph_tokens_are_the_argmax_of_the_decode_logits(engine, ids):
 
 def test_memory_cap_131k_context():
     """In a fresh process: a cap too small is refused at load with a clear message; E2B with a
-    131,072-token cache fits in 3,732 MiB, reads a 4,096-token prompt and decodes."""
+    131,072-token pool fits in 3,732 MiB, reads a 4,096-token prompt and decodes, then serves 8
+    sequences of 4,096 tokens at once."""
     code = textwrap.dedent("""
         import json
         import torch
@@ -167,10 +169,18 @@ def test_memory_cap_131k_context():
         except Qat4Error as exc:
             print("REFUSED yes:", exc)
         engine = Engine.from_packed(packed, "cuda", memory_cap_mib=3732)
-        prompt = [2] + torch.randint(3, E2B.vocab_size, (4095,), generator=torch.Generator().manual_seed(0)).tolist()
+        g = torch.Generator().manual_seed(0)
+        prompt = [2] + torch.randint(3, E2B.vocab_size, (4095,), generator=g).tolist()
         out = engine.generate(prompt, max_new_tokens=64, temperature=0, stop_token_ids=[])
+        seqs = [engine.add_request([2] + torch.randint(3, E2B.vocab_size, (3999,), generator=g).tolist(), 97,
+                                   temperature=0, stop_token_ids=[]) for _ in range(8)]
+        most = 0
+        while engine.has_work:
+            engine.step()
+            most = max(most, len(engine.scheduler.running))
         mib = 1 << 20
-        print("STATS", json.dumps({"max_ctx": engine.max_ctx, "new": len(out.tokens),
+        print("STATS", json.dumps({"max_ctx": engine.max_ctx, "new": len(out.tokens), "max_num_seqs": engine.max_num_seqs,
+                                   "together": most, "eight": [len(s.output) for s in seqs],
                                    "model_mib": engine.nbytes["model"] / mib, "kv_mib": engine.nbytes["kv_cache"] / mib,
                                    "peak_mib": torch.cuda.max_memory_allocated() / mib,
                                    "prefill_ms": out.prefill_ms, "decode_tok_s": out.decode_tok_s}))
@@ -181,6 +191,7 @@ def test_memory_cap_131k_context():
     assert "REFUSED yes:" in run.stdout and "memory_cap_mib" in run.stdout
     stats = json.loads(run.stdout.split("STATS ", 1)[1])
     assert stats["max_ctx"] == 131072 and stats["new"] == 64
+    assert stats["together"] == 8 and stats["eight"] == [97] * 8  # 8 streams of 4,096 tokens at once
     assert stats["peak_mib"] <= 3732
 
 
@@ -189,7 +200,7 @@ def test_decode_tuning_saves_tilings_that_the_next_load_pins(tmp_path, monkeypat
     table is saved for this GPU, a fresh load pins it, and the engine still decodes."""
     from qat4.checkpoint.synth import write_synthetic
     from qat4.config import TINY
-    from qat4.decode_tuning import load_tilings
+    from qat4.engine.tuning import load_tilings
     from qat4.ops import w4_linear
 
     monkeypatch.setenv("QAT4_TILINGS", str(tmp_path / "tilings.json"))

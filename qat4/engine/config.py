@@ -1,0 +1,58 @@
+"""How an engine is built: one options object instead of the same keyword list in every signature."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from qat4.errors import Qat4Error
+
+MAX_CTX_DEFAULT = 131_072
+BLOCK_SIZE_DEFAULT = 16
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of :meth:`qat4.engine.Engine.load`; None means "work it out at load".
+
+    dtype: compute dtype (fp32 on the CPU; bf16 on CUDA parts with a bf16 datapath, fp16 before).
+    max_ctx: the longest sequence in tokens, prompt plus reply (default 131,072, at most the
+    model's). max_num_seqs: sequences decoded together in one step (default 64 on CUDA, 8 on the
+    CPU); fewer when the memory cap leaves no room for their sliding-window KV. prefill_chunk:
+    prompt tokens read per step, over all the sequences reading a prompt (default on CUDA the
+    largest of 4096 .. 256 whose working memory fits, 256 on the CPU); running sequences decode a
+    token every step in between. kv_tokens: tokens the full-attention KV pool holds over all
+    sequences (default max_ctx: one sequence of the whole context, or many shorter ones).
+    block_size: tokens per KV block (a power of two). memory_cap_mib: on CUDA, cap this process's
+    GPU memory before anything is allocated; the load fails with a clear message when the model
+    and one sequence's KV do not fit. cuda_graph: replay decode steps as CUDA graphs (CUDA only).
+    """
+
+    dtype: torch.dtype | None = None
+    max_ctx: int | None = None
+    max_num_seqs: int | None = None
+    prefill_chunk: int | None = None
+    kv_tokens: int | None = None
+    block_size: int = BLOCK_SIZE_DEFAULT
+    memory_cap_mib: float | None = None
+    cuda_graph: bool = True
+
+    def __post_init__(self):
+        for name in ("max_ctx", "max_num_seqs", "prefill_chunk", "kv_tokens"):
+            value = getattr(self, name)
+            if value is not None and int(value) < 1:
+                raise Qat4Error(f"{name} is {value}; it must be at least 1")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise Qat4Error(f"block_size is {self.block_size}; it must be a power of two")
+        if self.memory_cap_mib is not None and not self.memory_cap_mib > 0:
+            raise Qat4Error(f"memory_cap_mib is {self.memory_cap_mib}; it must be positive")
+
+    @classmethod
+    def of(cls, config: "EngineConfig | None" = None, **options) -> "EngineConfig":
+        """``config`` (or the defaults) with ``options`` set; an unknown option is a clear error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise Qat4Error(f"unknown engine option {unknown[0]!r}; the options are {', '.join(sorted(known))}")
+        return replace(config or cls(), **options)

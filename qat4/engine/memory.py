@@ -1,0 +1,129 @@
+"""What an engine allocates, estimated before anything is: the plan behind :meth:`Engine.load`.
+
+Order of claims on the device memory (a cap's, or what the GPU has free): the model; the KV pool's
+full-attention blocks (``kv_tokens``); the sliding-window blocks of ``max_num_seqs`` sequences and
+the decode working memory of that many rows; then the prompt chunk's working memory, the largest
+of AUTO_PREFILL_CHUNKS that fits. Without an explicit ``max_num_seqs``, as many sequences as fit
+(up to the default) are planned; an explicit one that does not fit is an error, as is a model and
+full pool that leave no room for one sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qat4.checkpoint.packed_model import PackedModel
+from qat4.checkpoint.packing import PackedTensor
+from qat4.engine.config import MAX_CTX_DEFAULT, EngineConfig
+from qat4.engine.kv_cache import pool_blocks, pool_nbytes
+from qat4.errors import Qat4Error
+
+MIB = 1 << 20
+AUTO_PREFILL_CHUNKS = (4096, 2048, 1024, 512, 256)  # prefill_chunk=None picks the largest that fits (CUDA)
+PREFILL_BYTES_PER_TOKEN = 256 << 10  # working memory of one prompt token in a chunk, with headroom
+TUNING_RESERVE = 256 * MIB  # Triton's autotuner allocates a 256 MiB cache-flush buffer while it tunes
+DEFAULT_MAX_NUM_SEQS = {"cuda": 64, "cpu": 8}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The resolved options of one engine (every None of its EngineConfig filled in)."""
+
+    dtype: torch.dtype
+    max_ctx: int
+    max_num_seqs: int
+    prefill_chunk: int
+    kv_tokens: int
+    blocks: dict[str, int]
+    cap: int | None  # bytes, when memory_cap_mib was given
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """fp32 on the CPU; bf16 on CUDA parts with a bf16 datapath (sm_80+), fp16 before."""
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
+
+
+def cap_text(memory_cap_mib: float | None) -> str:
+    return "" if memory_cap_mib is None else f" capped at {memory_cap_mib:g} MiB (memory_cap_mib)"
+
+
+def _cap_memory(device: torch.device, cap_mib: float) -> int:
+    """Limit this process's allocations on ``device`` to cap_mib; returns the cap in bytes."""
+    if device.type != "cuda":
+        raise Qat4Error("memory_cap_mib applies to CUDA devices only")
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = int(cap_mib * MIB)
+    if not 0 < cap <= total:
+        raise Qat4Error(f"memory_cap_mib is {cap_mib:g}; the GPU has {total / MIB:,.0f} MiB")
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    return cap
+
+
+def model_nbytes(packed: PackedModel, max_ctx: int, dtype: torch.dtype) -> int:
+    """Device bytes of Gemma4(packed, ..., dtype, max_ctx) without allocating (RoPE tables at full width)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    tensors = list(packed.tensors.values()) + ([packed.lm_head] if packed.lm_head is not None else [])
+    for t in tensors:
+        total += t.packed.numel() * 4 + t.scales.numel() * item if isinstance(t, PackedTensor) else t.numel() * item
+    cfg = packed.config
+    total += sum(max_ctx * cfg.layer_head_dim(cfg.layer_types.index(kind)) * item for kind in set(cfg.layer_types))
+    return total
+
+
+def decode_nbytes(packed: PackedModel, rows: int) -> int:
+    """Working memory of a decode step over ``rows`` sequences: the fp32 logits of a sampled step
+    and as much again for the softmax beside them, with headroom for the activations."""
+    return rows * (packed.config.vocab_size * 4 * 2 + (1 << 20))
+
+
+def _free_nbytes(device: torch.device, cap: int | None) -> int:
+    """Bytes this process may still allocate on a CUDA device: what the cap leaves, or without a
+    cap what the GPU has free."""
+    return cap - torch.cuda.memory_allocated(device) if cap is not None else torch.cuda.mem_get_info(device)[0]
+
+
+def plan(packed: PackedModel, device: torch.device, config: EngineConfig) -> Plan:
+    """Resolve ``config`` for ``packed`` on ``device`` (module docstring); raises Qat4Error when it
+    cannot fit."""
+    cfg = packed.config
+    dtype = config.dtype or default_dtype(device)
+    max_ctx = min(cfg.max_position_embeddings, MAX_CTX_DEFAULT if config.max_ctx is None else int(config.max_ctx))
+    kv_tokens = int(config.kv_tokens or max_ctx)
+    cap = _cap_memory(device, config.memory_cap_mib) if config.memory_cap_mib is not None else None
+    bs = config.block_size
+
+    def kv(seqs: int, chunk: int) -> tuple[dict[str, int], int]:
+        blocks = pool_blocks(cfg, kv_tokens=kv_tokens, max_seqs=seqs, prefill_chunk=chunk, max_ctx=max_ctx,
+                             block_size=bs)
+        return blocks, pool_nbytes(cfg, blocks, bs, seqs, max_ctx, dtype)
+
+    if device.type != "cuda":
+        seqs = int(config.max_num_seqs or DEFAULT_MAX_NUM_SEQS["cpu"])
+        chunk = int(config.prefill_chunk or min(AUTO_PREFILL_CHUNKS[-1], max_ctx))
+        return Plan(dtype, max_ctx, seqs, chunk, kv_tokens, kv(seqs, chunk)[0], None)
+
+    free = _free_nbytes(device, cap) - model_nbytes(packed, max_ctx, dtype)
+    chunks = [config.prefill_chunk] if config.prefill_chunk else [c for c in AUTO_PREFILL_CHUNKS if c <= max_ctx]
+    chunks = chunks or [max_ctx]
+
+    def fits(seqs: int, chunk: int) -> bool:
+        work = chunk * PREFILL_BYTES_PER_TOKEN + TUNING_RESERVE + decode_nbytes(packed, seqs)
+        return kv(seqs, chunk)[1] + work <= free
+
+    wanted = [int(config.max_num_seqs)] if config.max_num_seqs else list(range(DEFAULT_MAX_NUM_SEQS["cuda"], 0, -1))
+    smallest = min(chunks)
+    seqs = next((s for s in wanted if fits(s, smallest)), None)
+    if seqs is None:
+        blocks, nbytes = kv(wanted[-1], smallest)
+        raise Qat4Error(
+            f"the model ({model_nbytes(packed, max_ctx, dtype) / MIB:,.0f} MiB) and a KV pool of {kv_tokens} tokens for "
+            f"{wanted[-1]} sequences ({nbytes / MIB:,.0f} MiB) with their working memory do not fit in GPU memory"
+            f"{cap_text(config.memory_cap_mib)}; lower max_ctx, kv_tokens or max_num_seqs"
+        )
+    chunk = next(c for c in chunks if fits(seqs, c) or c == smallest)
+    return Plan(dtype, max_ctx, seqs, chunk, kv_tokens, kv(seqs, chunk)[0], cap)

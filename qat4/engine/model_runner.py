@@ -1,0 +1,210 @@
+"""Runs the model over one step's batch and hands the sampled tokens back to the host a step late.
+
+A step has two parts, both enqueued before the host waits for anything:
+
+- **decode rows**, one token per sequence: on CUDA a graph captured per padded batch size (1, 2, 4,
+  8, then every 16 up to ``max_num_seqs``) and per sampling shape (``keep``, see
+  :mod:`qat4.engine.sampler`), replayed with the rows' ids, positions and slots copied into its
+  static input buffer; the padding rows point at the pool's scratch row. A row whose id is still
+  on the device (the token sampled by the previous step) reads it from ``last_token[slot]``.
+- **prompt chunks**, eagerly: the tokens of one or more prompts as one flat batch.
+
+Each sampled token is written to ``last_token[slot]`` on the device (the next step's input) and to
+a pinned host buffer; :meth:`ModelRunner.launch` returns a :class:`StepTokens` that waits for that
+copy only when read. The engine launches step n + 1 before it reads step n, so the GPU never idles
+while the host schedules. Graphs are captured at load writing only to the scratch row, never into
+a live sequence's KV.
+
+Per-slot sampling parameters (temperature, top_k, top_p, seed) live on the device, set when a
+sequence is admitted (:meth:`ModelRunner.set_sampling`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qat4.engine.kv_cache import KVPool
+from qat4.engine.sampler import SamplingParams, keep_shape, sample, uniforms
+from qat4.engine.sequence import Sequence
+from qat4.model import ForwardBatch, Gemma4
+from qat4.ops.attention import PagedSeqs
+
+
+def graph_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes with a captured decode graph: 1, 2, 4, 8, then every 16, and max_num_seqs."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
+
+
+class StepTokens:
+    """The tokens a launched step samples, in row order (decode rows, then prompt rows that
+    finished their prompt), readable once the device has produced them."""
+
+    def __init__(self, seqs: list[Sequence], host: torch.Tensor, event: torch.cuda.Event | None):
+        self.seqs, self._host, self._event = seqs, host, event
+
+    def read(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host[: len(self.seqs)].tolist()
+
+
+class ModelRunner:
+    """The model, the KV pool and the per-slot device state of one engine."""
+
+    def __init__(self, model: Gemma4, pool: KVPool, *, max_num_seqs: int, use_graph: bool):
+        dev = model.device
+        self.model, self.pool, self.device = model, pool, dev
+        self.max_num_seqs, self.max_ctx = max_num_seqs, pool.max_ctx
+        self.use_graph = use_graph and dev.type == "cuda"
+        self.vocab_size = model.config.vocab_size
+        slots = max_num_seqs + 1  # the last is the scratch row
+        self.last_token = torch.zeros(slots, dtype=torch.int64, device=dev)
+        self.temperature = torch.zeros(slots, dtype=torch.float32, device=dev)
+        self.top_k = torch.ones(slots, dtype=torch.int64, device=dev)
+        self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)
+        self.seed = torch.zeros(slots, dtype=torch.int64, device=dev)
+        self.sizes = graph_sizes(max_num_seqs)
+        self._meta = torch.zeros(3, max_num_seqs, dtype=torch.int64, device=dev)  # ids (-1: on device), positions, slots
+        self._cu_q = torch.arange(max_num_seqs + 1, dtype=torch.int64, device=dev)
+        self._decoded = torch.zeros(max_num_seqs, dtype=torch.int64, device=dev)
+        pinned = dev.type == "cuda"
+        self._staging = [torch.zeros(3, max_num_seqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._host = [torch.zeros(2 * max_num_seqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._turn = 0
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._graph_pool = None
+
+    # ---- per-slot state ------------------------------------------------------------------------
+
+    def set_sampling(self, slot: int, params: SamplingParams, seed: int) -> None:
+        """A sequence's sampling parameters into its slot (temperature 0 marks a greedy row)."""
+        self.temperature[slot] = 0.0 if params.greedy else params.temperature
+        self.top_k[slot] = params.effective_top_k(self.vocab_size)
+        self.top_p[slot] = params.top_p
+        self.seed[slot] = seed
+
+    def keep_for(self, seqs: list[Sequence]) -> int:
+        return keep_shape([s.params.effective_top_k(self.vocab_size) for s in seqs], self.vocab_size)
+
+    # ---- the pieces of a step ------------------------------------------------------------------
+
+    def _batch(self, slots: torch.Tensor, positions: torch.Tensor, cu_q: torch.Tensor, rows: torch.Tensor,
+               max_q_len: int, max_keys: int) -> ForwardBatch:
+        seqs = PagedSeqs(positions, cu_q, rows, max_q_len, max_keys)
+        return ForwardBatch(seqs, {kind: self.pool.store_rows(kind, slots, positions) for kind in self.pool.tables})
+
+    def _pick(self, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
+        """Next token [R] of hidden rows h [R, D] whose tokens sit at ``positions`` [R] in the
+        sequences of ``slots`` [R]: the fused argmax when every row is greedy (keep 1), else the
+        logits and per-row sampling with each slot's parameters."""
+        if keep == 1:
+            return self.model.argmax(h)
+        return self.sample(self.model.logits(h), slots, positions, keep)
+
+    def sample(self, logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
+        """Per-row sampling of logits [R, V] with the parameters of ``slots`` [R], drawing for the
+        tokens after ``positions`` [R]."""
+        draws = uniforms(self.seed[slots], positions + 1)
+        return sample(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], draws, keep)
+
+    def _decode(self, b: int, keep: int) -> None:
+        """The decode rows of ``_meta[:, :b]``: forward, pick, and the tokens into ``last_token``
+        and ``_decoded`` (what a graph captures)."""
+        ids, positions, slots = self._meta[:, :b]
+        ids = torch.where(ids >= 0, ids, self.last_token[slots])
+        batch = self._batch(slots, positions, self._cu_q[: b + 1], slots, 1, self.max_ctx)
+        tokens = self._pick(self.model.forward(ids, positions, self.pool, batch), slots, positions, keep)
+        self.last_token.index_copy_(0, slots, tokens)
+        self._decoded[:b].copy_(tokens)
+
+    def _padded(self, n: int) -> int:
+        return next(b for b in self.sizes if b >= n) if self.use_graph else n
+
+    def capture(self, b: int, keep: int) -> None:
+        """Capture the decode graph of batch size b and sampling shape keep, if not yet captured:
+        two eager runs first (they compile and tune the kernels), every row on the scratch row."""
+        if not self.use_graph or (b, keep) in self.graphs:
+            return
+        self._meta[:, :b] = torch.tensor([[0], [0], [self.pool.scratch_row]], device=self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._decode(b, keep)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+            self._decode(b, keep)
+        self._graph_pool = graph.pool()
+        self.graphs[(b, keep)] = graph
+
+    def run_decode(self, seqs: list[Sequence], keep: int) -> torch.Tensor:
+        """Enqueue one decode row per sequence (its newest position); returns their tokens [n]."""
+        n, b = len(seqs), self._padded(len(seqs))
+        self.capture(b, keep)  # before the rows go in: a capture runs on the scratch row
+        pad = b - n
+        rows = [[-1 if s.pending else s.tokens[-1] for s in seqs] + [0] * pad,
+                [s.length - 1 for s in seqs] + [0] * pad,
+                [s.slot for s in seqs] + [self.pool.scratch_row] * pad]
+        stage = self._staging[self._turn][:, :b]
+        stage.copy_(torch.tensor(rows, dtype=torch.int64))
+        self._meta[:, :b].copy_(stage, non_blocking=True)
+        if self.use_graph:
+            self.graphs[(b, keep)].replay()
+        else:
+            self._decode(b, keep)
+        return self._decoded[:n]
+
+    def forward_chunks(self, chunks: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                           torch.Tensor]:
+        """Eager forward of prompt chunks (sequence, tokens from ``num_computed`` on), every id
+        known on the host -> (hidden [T, D], positions [T], slots [T])."""
+        ids, positions, slots, cu, rows = [], [], [], [0], []
+        for seq, n in chunks:
+            start = seq.num_computed
+            ids += seq.tokens[start : start + n]
+            positions += range(start, start + n)
+            slots += [seq.slot] * n
+            cu.append(cu[-1] + n)
+            rows.append(seq.slot)
+        flat = torch.tensor([ids, positions, slots], dtype=torch.int64).to(self.device, non_blocking=True)
+        seq_meta = torch.tensor([cu, rows + [0]], dtype=torch.int64).to(self.device, non_blocking=True)
+        max_q = max(n for _, n in chunks)
+        max_keys = max(seq.num_computed + n for seq, n in chunks)
+        batch = self._batch(flat[2], flat[1], seq_meta[0], seq_meta[1, :-1], max_q, max_keys)
+        return self.model.forward(flat[0], flat[1], self.pool, batch), flat[1], flat[2]
+
+    def run_prefill(self, chunks: list[tuple[Sequence, int]], sampled: list[int]) -> torch.Tensor:
+        """Enqueue prompt chunks; the last row of the chunks listed in ``sampled`` (indices into
+        chunks) picks its sequence's next token. Returns those tokens [len(sampled)]."""
+        h, positions, slots = self.forward_chunks(chunks)
+        if not sampled:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        ends = torch.tensor([sum(n for _, n in chunks[: i + 1]) - 1 for i in sampled]).to(self.device)
+        keep = self.keep_for([chunks[i][0] for i in sampled])
+        tokens = self._pick(h[ends], slots[ends], positions[ends], keep)
+        self.last_token.index_copy_(0, slots[ends], tokens)
+        return tokens
+
+    def launch(self, decode: list[Sequence], decode_keep: int, chunks: list[tuple[Sequence, int]],
+               sampled: list[int]) -> StepTokens:
+        """Enqueue a whole step: decode rows, prompt chunks, the tokens' copy to the host."""
+        self.pool.flush()
+        parts, seqs = [], []
+        if decode:
+            parts.append(self.run_decode(decode, decode_keep))
+            seqs += decode
+        if chunks:
+            parts.append(self.run_prefill(chunks, sampled))
+            seqs += [chunks[i][0] for i in sampled]
+        host = self._host[self._turn]
+        self._turn ^= 1
+        event = None
+        if seqs:
+            tokens = parts[0] if len(parts) == 1 else torch.cat(parts)
+            host[: len(seqs)].copy_(tokens, non_blocking=host.is_pinned())
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+        return StepTokens(seqs, host, event)

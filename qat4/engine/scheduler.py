@@ -1,0 +1,153 @@
+"""Which sequences run in the next step, and with how many tokens each.
+
+First come, first served. Every step, each running sequence that is decoding feeds its newest
+token (a decode row); prompts are read in chunks of at most ``prefill_chunk`` tokens per step,
+over all the sequences reading one, so a long prompt that arrives mid-stream delays the running
+sequences by one chunk per step, never by its whole read. A prompt's chunks always start at
+multiples of ``prefill_chunk``; a chunk that does not fit in what the step has left waits for the
+next step.
+
+A waiting sequence is admitted when a slot is free, fewer than ``max_num_seqs`` run, and the pool
+can hold its first chunk with a block to spare for every running sequence. When the pool runs out
+while the running sequences grow, the most recently admitted one is preempted: it gives back its
+KV and goes to the front of the queue, to be read again later, prompt and output together (a seed
+keys each draw by its position, so the continuation is the one it would have produced). A request
+that the pool cannot hold even alone is refused when it is added (:meth:`Scheduler.check_fits`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from qat4.engine.kv_cache import KVPool
+from qat4.engine.sequence import Sequence, State
+from qat4.errors import Qat4Error
+
+
+@dataclass
+class Batch:
+    """One step's work: decode rows (one token each, graph-capturable) and prompt chunks (a
+    sequence and how many of its tokens, from ``num_computed`` on)."""
+
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+
+class Scheduler:
+    """The waiting queue and the running set over one KV pool."""
+
+    def __init__(self, pool: KVPool, *, max_num_seqs: int, prefill_chunk: int):
+        self.pool, self.max_num_seqs, self.prefill_chunk = pool, max_num_seqs, prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preempted_total = 0
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raise Qat4Error when a request of this size could never run, even alone."""
+        need = prompt_tokens + max_new_tokens
+        if need > self.pool.capacity_tokens:
+            raise Qat4Error(
+                f"the prompt of {prompt_tokens} tokens plus max_new_tokens {max_new_tokens} needs {need} tokens "
+                f"of KV, more than the pool holds ({self.pool.capacity_tokens}, kv_tokens)"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step --------------------------------------------------------------------------------
+
+    def schedule(self) -> Batch:
+        """The next step's batch; allocates the KV blocks it writes (on the host side)."""
+        batch = Batch()
+        budget = self.prefill_chunk
+        for seq in list(self.running):
+            if seq.state is not State.RUNNING:  # preempted by a sequence before it
+                continue
+            feed = seq.length - seq.num_computed
+            if feed == 1:
+                if seq.wants_token and self._grow(seq, seq.length):
+                    batch.decode.append(seq)
+            elif feed > 1:
+                n = self._chunk(seq, budget)
+                if n and self._grow(seq, seq.num_computed + n):
+                    batch.prefill.append((seq, n))
+                    budget -= n
+        while self.waiting and budget and len(self.running) < self.max_num_seqs and self.pool.num_free_slots:
+            seq = self.waiting[0]
+            if seq.pending:  # a preempted sequence whose last token is still on its way back
+                break
+            n = self._chunk(seq, budget)
+            if not n or not self._admit(seq, n):
+                break
+            batch.prefill.append((seq, n))
+            budget -= n
+        return batch
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of seq's prompt to read now: the rest of its current chunk if the budget holds
+        it, else none."""
+        start = seq.num_computed
+        n = min(self.prefill_chunk - start % self.prefill_chunk, len(seq.tokens) - start)
+        return n if n <= budget else 0
+
+    def _admit(self, seq: Sequence, n: int) -> bool:
+        slot = self.pool.open_slot()
+        spare = len(self.running)  # a block for each running sequence's next step
+        if not self.pool.can_grow(slot, n, 0) or min(self._free_after(slot, n).values()) < spare:
+            self.pool.close_slot(slot)
+            return False
+        self.waiting.popleft()
+        self.pool.grow(slot, n, 0)
+        seq.state, seq.slot = State.RUNNING, slot
+        seq.started = seq.started or time.perf_counter()
+        self.running.append(seq)
+        return True
+
+    def _free_after(self, slot: int, end: int) -> dict[str, int]:
+        need = self.pool.blocks_to_grow(slot, end, 0)
+        return {kind: a.num_free - need[kind] for kind, a in self.pool.allocators.items()}
+
+    def _grow(self, seq: Sequence, end: int) -> bool:
+        """Hold KV for seq's positions up to ``end``, preempting newer sequences while the pool is
+        short; False when seq itself had to be preempted."""
+        while not self.pool.can_grow(seq.slot, end, seq.num_computed):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        self.pool.grow(seq.slot, end, seq.num_computed)
+        return True
+
+    # ---- leaving -----------------------------------------------------------------------------
+
+    def preempt(self, seq: Sequence) -> None:
+        """Give back seq's KV; it waits at the front of the queue to be read again."""
+        self.running.remove(seq)
+        self.pool.close_slot(seq.slot)
+        seq.state, seq.slot, seq.num_computed = State.WAITING, None, 0
+        seq.preemptions += 1
+        self.preempted_total += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End seq (a stop, its limit, or an abort) and give back its slot and KV at once: the
+        device runs steps in order, so a step still in flight that writes its old blocks does so
+        before any later owner's step."""
+        if seq.finished:
+            return
+        if seq.state is State.RUNNING:
+            self.running.remove(seq)
+            self.pool.close_slot(seq.slot)
+        else:
+            self.waiting.remove(seq)
+        seq.state, seq.slot = State.FINISHED, None
+        seq.finish_reason = seq.finish_reason or reason

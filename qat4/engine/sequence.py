@@ -1,0 +1,86 @@
+"""One request as the engine sees it: its tokens, sampling, state, place in the KV pool and timing.
+
+Token bookkeeping (the engine reads sampled tokens back one step late, so the GPU never waits):
+``tokens`` are the ids the host knows (prompt, then read-back output); ``pending`` counts tokens
+sampled on the device and not yet read; ``num_computed`` counts positions whose K/V have been
+written (launched). A step feeds positions ``num_computed .. length - 1``: the host's ids, and for
+the newest position an id still on the device. When the fed positions reach ``length`` the step
+also samples the next token.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from qat4.engine.sampler import SamplingParams
+
+_ids = itertools.count()
+
+
+class State(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted: holds no KV
+    RUNNING = "running"  # holds a slot and KV blocks
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request: prompt ids, how to sample and when to stop, and what has happened so far."""
+
+    prompt: list[int]
+    params: SamplingParams
+    seed: int  # keys the counter-based draws: the same seed gives the same tokens
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    id: int = field(default_factory=lambda: next(_ids))
+    output: list[int] = field(default_factory=list)
+    state: State = State.WAITING
+    slot: int | None = None
+    num_computed: int = 0
+    pending: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    arrived: float = field(default_factory=time.perf_counter)
+    started: float = 0.0  # admitted to the running set the first time
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def length(self) -> int:
+        """Positions the sequence has ids for, on the host or on the device."""
+        return len(self.prompt) + len(self.output) + self.pending
+
+    @property
+    def launched_outputs(self) -> int:
+        """Tokens sampled so far, read back or not."""
+        return len(self.output) + self.pending
+
+    @property
+    def finished(self) -> bool:
+        return self.state is State.FINISHED
+
+    @property
+    def wants_token(self) -> bool:
+        """Whether a step that reaches ``length`` should sample another token."""
+        return self.launched_outputs < self.max_new_tokens
+
+    def accept(self, token: int, now: float) -> bool:
+        """Take a token read back from the device; True when it ends the sequence (a stop id or
+        the token limit), with ``finish_reason`` set."""
+        self.pending -= 1
+        self.output.append(token)
+        if len(self.output) == 1:
+            self.first_token_at = now
+        self.last_token_at = now
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif len(self.output) >= self.max_new_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
