@@ -6,6 +6,7 @@ and tool calls as `tool_calls`, in whole responses and in streamed deltas alike.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -60,6 +61,14 @@ async def _collect(gen: Generation) -> tuple[str, Finished]:
     raise RuntimeError("the generation ended without finishing")
 
 
+def _ignore_eos_option(req: SamplingRequest) -> dict[str, bool]:
+    """`ignore_eos` for GenerationParams when it has that field; until the scheduler honours it,
+    the request's `ignore_eos` is accepted and has no effect."""
+    if "ignore_eos" in {f.name for f in dataclasses.fields(GenerationParams)}:
+        return {"ignore_eos": req.ignore_eos}
+    return {}
+
+
 def _error_event(exc: Exception) -> dict[str, Any]:
     if isinstance(exc, APIError):
         return exc.body()
@@ -94,7 +103,7 @@ class Completions:
                               f"{prompt_n + max_tokens} in all, but the context holds {self.engine.max_ctx} tokens.",
                               param=param, code="context_length_exceeded")
         return GenerationParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                              seed=req.seed, stop=tuple(req.stop_strings()))
+                              seed=req.seed, stop=tuple(req.stop_strings()), **_ignore_eos_option(req))
 
     def _encode(self, prompt: str | list[int], param: str) -> list[int]:
         try:
