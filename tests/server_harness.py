@@ -15,10 +15,10 @@ import time
 import types
 from collections.abc import Callable
 
-import tokenizers
 import uvicorn
 
-from qat4.checkpoint.synth import synthetic_aux, synthetic_model
+from qat4.checkpoint.synth import synthetic_model
+from qat4.commands.model_args import synthetic_tokenizer
 from qat4.config import PRESETS
 from qat4.engine import DEFAULT_STOP_IDS, Engine, SamplingParams, StepOutput
 from qat4.engine.sequence import Sequence, State
@@ -31,8 +31,7 @@ TINY_MAX_CTX = 512
 @functools.cache
 def tiny_tokenizer() -> Tokenizer:
     """The real Gemma 4 tokenizer and chat template that synthetic checkpoints carry."""
-    aux = synthetic_aux()
-    return Tokenizer(tokenizers.Tokenizer.from_str(aux.tokenizer_json), aux.chat_template)
+    return synthetic_tokenizer()
 
 
 @functools.cache

@@ -1,24 +1,33 @@
-"""`qat4 bench`: decode and prompt speed, memory and roofline fraction, optionally beside transformers."""
+"""`qat4 bench`: decode and prompt speed, memory and roofline fraction, optionally beside transformers;
+`qat4 bench serve`: throughput and latency of an OpenAI-compatible server under concurrent load."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import sys
 import time
+from collections import Counter
 
 from qat4.errors import Qat4Error
 
 SYNTHETIC = "synthetic:"
+DEFAULT_CONCURRENCY = "1,4,16,64"
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
-        help="measure decode tok/s at several context depths, prompt tok/s, memory and roofline fraction",
+        help="measure decode tok/s at several context depths, prompt tok/s, memory and roofline fraction; "
+             "`bench serve`: load-test a server",
         description="Measure one engine: decode speed with DEPTHS tokens held (each also as a fraction of the "
         "bandwidth roofline), prompt reading speed, time to first token, peak GPU memory. "
-        "--model synthetic:e2b builds E2B-shaped on-grid weights on the GPU in seconds.",
+        "--model synthetic:e2b builds E2B-shaped on-grid weights on the GPU in seconds. "
+        "`qat4 bench serve` measures a server under concurrent load instead (qat4 bench serve --help).",
     )
-    p.add_argument("--model", required=True, help="checkpoint folder, GGUF file, Hub id, or synthetic:e2b / synthetic:tiny")
+    # Required, but checked in run(): `qat4 bench serve` has a --model of its own.
+    p.add_argument("--model", help="checkpoint folder, GGUF file, Hub id, or synthetic:e2b / synthetic:tiny (required)")
     p.add_argument("--depths", default="0,4096,32768,131072", help="comma-separated context depths (default: %(default)s)")
     p.add_argument("--new", type=int, default=128, help="tokens decoded at each depth (default: %(default)s)")
     p.add_argument("--prompt", type=int, default=4096, help="prompt length for prompt tok/s (default: %(default)s)")
@@ -34,16 +43,55 @@ def add_parser(sub) -> None:
     p.add_argument("--tune", action="store_true",
                    help="first choose each decode GEMV's tiling by the whole step's replay time and save it for this GPU")
     p.set_defaults(run=run)
+    modes = p.add_subparsers(dest="bench_mode", title="instead of an engine, a server", metavar="serve")
+    _add_serve_parser(modes)
 
 
-def _depths(text: str) -> list[int]:
+def _add_serve_parser(modes) -> None:
+    p = modes.add_parser(
+        "serve", help="throughput and latency of an OpenAI-compatible server at several concurrency levels",
+        description="Load an OpenAI-compatible server with streamed requests of exactly --input-len prompt and "
+        "--output-len output tokens, sent by exactly N concurrent clients for each N of --concurrency, after one "
+        "uncounted warm-up request. Prints output and total tok/s, req/s, time to first token, time per output "
+        "token, inter-token and end-to-end latency per level. Without --url it starts `qat4 serve --model ...` "
+        "on a free loopback port and stops it afterwards; with --url it measures any running server "
+        "(qat4, llama.cpp's llama-server, vLLM).")
+    p.add_argument("--model", metavar="PATH|ID",
+                   help="the model qat4 serve starts with (a checkpoint, Hub id, synthetic:e2b or synthetic:tiny); "
+                        "with --url the model name sent (default: the first one /v1/models lists)")
+    p.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8080 or .../v1 (default: start qat4 serve)")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                   help="completions: prompts of random token ids, exact length (default); chat: random words")
+    p.add_argument("--concurrency", default=DEFAULT_CONCURRENCY,
+                   help="comma-separated numbers of concurrent clients, one level each (default: %(default)s)")
+    p.add_argument("--input-len", type=int, default=512, metavar="N", help="prompt tokens per request (default: %(default)s)")
+    p.add_argument("--output-len", type=int, default=128, metavar="N", help="output tokens per request (default: %(default)s)")
+    p.add_argument("--requests-per-level", "--num-prompts", type=int, dest="requests_per_level", metavar="N",
+                   help="requests at every level (default: 4 per client and at least 16)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature (default: 0, greedy)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("QAT4_API_KEY"), metavar="KEY",
+                   help="sent as 'Authorization: Bearer KEY', and given to the qat4 serve started (default: $QAT4_API_KEY)")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="where the qat4 serve started runs (default: its own)")
+    p.add_argument("--server-args", default="", metavar="ARGS",
+                   help='more flags for the qat4 serve started, as one string: --server-args="--max-ctx 4096"')
+    p.add_argument("--json", metavar="FILE", help="write every figure and the parameters as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="plot output tok/s, TTFT and TPOT against concurrency")
+    p.add_argument("--compare", action="append", metavar="NAME=C:TOK_S,...",
+                   help="reference output tok/s by concurrency to draw beside this run, e.g. llama.cpp=1:373,4:900 "
+                        "(repeatable)")
+    p.set_defaults(run=run_serve)
+
+
+def _int_list(text: str, flag: str, minimum: int, what: str) -> list[int]:
+    """Comma-separated integers of at least `minimum`, described as `what` when one is smaller."""
     try:
-        depths = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise Qat4Error(f"--depths must be comma-separated integers, got {text!r}") from None
-    if not depths or min(depths) < 0:
-        raise Qat4Error(f"--depths must list non-negative token counts, got {text!r}")
-    return depths
+        raise Qat4Error(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < minimum:
+        raise Qat4Error(f"{flag} must list {what}, got {text!r}")
+    return values
 
 
 def load_packed_for_bench(model: str, device, seed: int):
@@ -74,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
     from qat4.engine.tuning import pinned_tilings_note
     from qat4.engine import Engine
 
-    depths = _depths(args.depths)
+    if args.model is None:
+        raise Qat4Error("--model is required: a checkpoint, Hub id or synthetic:e2b (or use `qat4 bench serve`)")
+    depths = _int_list(args.depths, "--depths", 0, "non-negative token counts")
     if args.new < 1 or args.prompt < 1:
         raise Qat4Error("--new and --prompt must be at least 1")
     device = torch.device(args.device)
@@ -109,4 +159,83 @@ def run(args: argparse.Namespace) -> int:
         bench.save_json(report, args.json)
     if args.plot:
         bench.write_plot(report, args.plot)
+    return 0
+
+
+def _log(line: str) -> None:
+    print(f"[bench serve] {line}", file=sys.stderr, flush=True)
+
+
+def _server_args(text: str) -> list[str]:
+    """--server-args as words; the host and port are the benchmark's to choose."""
+    try:
+        words = shlex.split(text)
+    except ValueError as exc:
+        raise Qat4Error(f"--server-args cannot be split into words ({exc})") from None
+    if any(w in ("--host", "--port") or w.startswith(("--host=", "--port=")) for w in words):
+        raise Qat4Error("--server-args must not set --host or --port; qat4 bench serve picks a free loopback port")
+    return words
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from qat4 import bench_serve
+    from qat4.serve_process import HOST, ServerProcess, free_port, serve_command
+
+    concurrencies = _int_list(args.concurrency, "--concurrency", 1, "numbers of clients of at least 1")
+    if args.input_len < 1 or args.output_len < 1:
+        raise Qat4Error("--input-len and --output-len must be at least 1")
+    if args.requests_per_level is not None and args.requests_per_level < max(concurrencies):
+        raise Qat4Error(f"--requests-per-level {args.requests_per_level} is fewer than the largest --concurrency "
+                        f"{max(concurrencies)}; every client needs at least one request")
+    compare = bench_serve.parse_compare(args.compare or [])
+    server_args = _server_args(args.server_args)
+    if args.url:
+        if server_args or args.device:
+            raise Qat4Error("--server-args and --device set up the qat4 serve that the benchmark starts; "
+                            "leave them out with --url")
+        url = args.url.rstrip("/").removesuffix("/v1")  # an OpenAI client's base URL is fine too
+        served = bench_serve.probe(url, args.api_key)
+        return _measure(args, url, args.model or served, "external", [], concurrencies, compare)
+    if not args.model:
+        raise Qat4Error("qat4 bench serve needs --model to start a server, or --url of a running one")
+    port = free_port()
+    url = f"http://{HOST}:{port}"
+    command = serve_command(args.model, port, device=args.device, max_queue=max(concurrencies), extra_args=server_args)
+    env = {**os.environ, "QAT4_API_KEY": args.api_key} if args.api_key else None
+    _log(f"starting qat4 serve --model {args.model} on {url}")
+    start = time.perf_counter()
+    with ServerProcess(command, url, env=env):
+        _log(f"the server answered after {time.perf_counter() - start:.1f} s")
+        served = bench_serve.probe(url, args.api_key)
+        return _measure(args, url, served, "qat4 serve, started by the benchmark", ["qat4", *command[3:]],
+                        concurrencies, compare)
+
+
+def _measure(args: argparse.Namespace, url: str, model: str | None, server: str, server_command: list[str],
+             concurrencies: list[int], compare: dict) -> int:
+    """Run the levels against `url`, print the table, write --json and --plot."""
+    from qat4 import bench_serve
+    from qat4.commands.progress import ProgressLine
+
+    workload = bench_serve.Workload(url, args.endpoint, model, args.input_len, args.output_len,
+                                    temperature=args.temperature, api_key=args.api_key)
+    report = bench_serve.new_report(workload, server=server, requests_per_level=args.requests_per_level,
+                                    seed=args.seed, server_command=server_command, compare=compare)
+    line, failed = ProgressLine(), Counter()
+
+    def show(concurrency: int, done: int, total: int, result: bench_serve.RequestResult) -> None:
+        failed[concurrency] += not result.ok
+        line.update(f"[bench serve] concurrency {concurrency}: {done}/{total} requests, {failed[concurrency]} failed")
+        if done == total:
+            line.done()
+
+    bench_serve.run(workload, concurrencies, report, on_result=show, warn=lambda text: _log(f"warning: {text}"))
+    print(bench_serve.format_table(report))
+    if args.json:
+        bench_serve.save_json(report, args.json)
+    if args.plot:
+        bench_serve.write_plot(report, args.plot)
+    if not any(level.completed for level in report.levels):
+        total = sum(level.requests for level in report.levels)
+        raise Qat4Error(f"every one of the {total} requests failed; the first: {report.levels[0].first_error}")
     return 0

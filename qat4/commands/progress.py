@@ -23,18 +23,21 @@ class ProgressLine:
         self._last = float("-inf")
         self._width = 0
         self._text = ""
+        self._held = False  # the last text is not on screen yet
 
     def update(self, text: str) -> None:
         self._text = text
         now = time.monotonic()
-        if now - self._last >= self._interval:
+        self._held = now - self._last < self._interval
+        if not self._held:
             self._last = now
             self._show()
 
     def done(self) -> None:
         """Show the last text if it was held back, then end the line."""
         if self._text:
-            self._show()
+            if self._held:
+                self._show()
             if self._tty:
                 self._stream.write("\n")
             self._stream.flush()

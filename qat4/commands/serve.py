@@ -11,7 +11,7 @@ from pathlib import Path
 
 import uvicorn
 
-from qat4.commands.model_args import add_model_arguments, resolve_device
+from qat4.commands.model_args import add_model_arguments, load_engine, resolve_device
 from qat4.errors import Qat4Error
 
 DEFAULT_PORT = 8100
@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Serve the model over HTTP: /v1/chat/completions, /v1/completions, /v1/models, /health, "
                     "/metrics, /tokenize, /detokenize, /apply-template and a chat page at /. Up to "
                     "--max-num-seqs generations run at once in one batch; others wait in a bounded queue.")
-    add_model_arguments(p)
+    add_model_arguments(p, synthetic=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
     p.add_argument("--memory-cap-mib", type=int, default=None, metavar="N",
@@ -70,7 +70,6 @@ class _Server(uvicorn.Server):
 
 def run(args: argparse.Namespace) -> int:
     from qat4.engine.tuning import pinned_tilings_note
-    from qat4.engine import Engine
     from qat4.server.app import create_app
 
     if args.max_queue < 0:
@@ -78,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"qat4 serve: warning: listening on {args.host} without --api-key; anyone who can reach it can use it",
               file=sys.stderr)
-    engine = Engine.load(args.model, device=resolve_device(args.device), max_ctx=args.max_ctx,
+    engine = load_engine(args.model, resolve_device(args.device), max_ctx=args.max_ctx,
                          memory_cap_mib=args.memory_cap_mib, max_num_seqs=args.max_num_seqs, kv_tokens=args.kv_tokens)
     app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue,
                      model_name=args.model_name or model_name_for(args.model))

@@ -98,7 +98,7 @@ class Completions:
         except Qat4Error as exc:
             raise bad_request(f"{str(exc)[0].upper()}{str(exc)[1:]}.", param=param, code="context_length_exceeded") from None
         return GenerationParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                              seed=req.seed, stop=tuple(req.stop_strings()))
+                              seed=req.seed, stop=tuple(req.stop_strings()), ignore_eos=req.ignore_eos)
 
     def _encode(self, prompt: str | list[int], param: str) -> list[int]:
         try:

@@ -101,6 +101,8 @@ class SamplingRequest(_Strict):
     seed: int | None = None
     stop: Any = None
     n: int = Field(default=1, ge=1, le=1)
+    ignore_eos: bool = False
+    """Generate through end-of-turn tokens until max_tokens (llama.cpp's and vLLM's option; benchmarks use it)."""
 
     _stop = field_validator("stop")(_check_stop)
 
