@@ -77,9 +77,9 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
     (1, 64, 256, BF16, BF16, None),  # the table's tiling
     (2, 64, 256, F32, F16, {"BLOCK_N": 32, "BLOCK_G": 4, "SPLIT_K": 1}),  # no tail: unmasked weights
     (5, 96, 512, F16, BF16, {"BLOCK_N": 64, "BLOCK_G": 4, "SPLIT_K": 3}),  # row tail; splits of 8, 8, 0 groups
-    (16, 64, 512, BF16, F16, {"BLOCK_N": 32, "BLOCK_G": 4, "SPLIT_K": 4, "PREFETCH": 1}),  # whole splits
+    (16, 64, 512, BF16, F16, {"BLOCK_N": 32, "BLOCK_G": 4, "SPLIT_K": 4, "PREFETCH": 1}),  # whole splits, 1 ahead
     (33, 256, 96, F16, F16, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_G": 4, "SPLIT_K": 1}),  # group tail, 2 x blocks
-    (64, 96, 512, F32, BF16, {"BLOCK_N": 64, "BLOCK_G": 8, "SPLIT_K": 2}),  # row tail and split at 64 rows
+    (64, 96, 512, F32, BF16, {"BLOCK_N": 64, "BLOCK_G": 8, "SPLIT_K": 2, "PREFETCH": 2}),  # 2 steps ahead
     (33, 64, 256, F16, BF16, None),  # the table at BLOCK_M = 64
     (130, 40, 128, F16, F16, None),  # two blocks of 128 rows of x, one block of W wider than W
 ])
@@ -180,14 +180,18 @@ def test_tiling_table_fills_an_h200_at_every_decode_shape(m):
         g = k // 32
         assert g % (tiling["BLOCK_G"] * tiling["SPLIT_K"]) == 0, (n, k, tiling)  # whole steps: the unmasked path
         programs = lambda split: -(-n // tiling["BLOCK_N"]) * -(-m // tiling["BLOCK_M"]) * split  # noqa: E731
-        full = lambda split: programs(split) >= 132 and programs(split) * tiling["num_warps"] >= 8 * 132  # noqa: E731
+        per_sm = wb._programs_per_sm(tiling)
+        step = tiling["BLOCK_N"] * tiling["BLOCK_G"] * 18 * max(1, tiling["PREFETCH"])  # weight bytes of a step
+        full = lambda split: programs(split) >= 132 and min(per_sm, programs(split) / 132) * step >= 32768  # noqa: E731
         rows_pad, m_pad = -(-n // tiling["BLOCK_N"]) * tiling["BLOCK_N"], -(-m // tiling["BLOCK_M"]) * tiling["BLOCK_M"]
         moved = n * k * 9 // 16 + rows_pad // tiling["BLOCK_N"] * m_pad * k * 2  # weights, and x per row block
-        fitting = [s for s in wb._even_splits(g, tiling["BLOCK_G"]) if wb._fits(n, m, dict(tiling, SPLIT_K=s))
-                   and (s == 1 or 8 * s * rows_pad * m_pad <= 2 * moved)]
-        # the smallest split of whole steps that fills every SM, else the largest that fits the
-        # scratch with partials of at most twice the bytes moved anyway
-        assert tiling["SPLIT_K"] == next((s for s in fitting if full(s)), fitting[-1]), (n, k, tiling)
+        slots = per_sm * 132
+        one_wave = [s for s in wb._even_splits(g, tiling["BLOCK_G"]) if wb._fits(n, m, dict(tiling, SPLIT_K=s))
+                    and (s == 1 or 8 * s * rows_pad * m_pad <= 2 * moved) and programs(s) <= slots] or [1]
+        # the smallest split of whole steps that keeps 32 KiB of weights in flight on every SM in
+        # one wave, else the largest in one wave, counting only splits that fit the scratch with
+        # partials of at most twice the bytes moved anyway
+        assert tiling["SPLIT_K"] == next((s for s in one_wave if full(s)), one_wave[-1]), (n, k, tiling)
         if n == 262144:
             assert tiling["SPLIT_K"] == 1  # the output layer: row blocks enough, and no partials
         candidates = wb.batch_tiling_candidates(n, k, m, sm_count=132)
@@ -199,14 +203,14 @@ def test_tiling_splits_the_long_down_projection():
     """1536 x 12288 at 16 rows: 24 row blocks alone would leave most of 132 SMs idle."""
     tiling = wb.batch_tiling(1536, 12288, 16, sm_count=132)
     assert tiling["SPLIT_K"] > 1
-    programs = 1536 // tiling["BLOCK_N"] * tiling["SPLIT_K"]
-    assert programs >= 132 and programs * tiling["num_warps"] >= 8 * 132
+    assert 1536 // tiling["BLOCK_N"] * tiling["SPLIT_K"] >= 2 * 132
 
 
 def test_config_pins_keys_and_bad_tilings_are_rejected():
     pinned = wb._resolve({"BLOCK_N": 32, "SPLIT_K": 2}, 64, 256, 3, "cpu")
     assert pinned["BLOCK_N"] == 32 and pinned["SPLIT_K"] == 2 and pinned["BLOCK_M"] == 16
-    for bad in ({"BLOCK_G": 2}, {"BLOCK_N": 48}, {"BLOCK_M": 8}, {"PREFETCH": 3}, {"SPLIT_K": 0}, {"RR": 4}):
+    for bad in ({"BLOCK_G": 2}, {"BLOCK_N": 48}, {"BLOCK_M": 8}, {"PREFETCH": 3}, {"SPLIT_K": 0}, {"RR": 4},
+                {"num_stages": 0}):
         with pytest.raises(ValueError):
             wb._resolve(bad, 64, 256, 3, "cpu")
     with pytest.raises(ValueError, match="scratch"):

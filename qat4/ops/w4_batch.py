@@ -50,14 +50,23 @@ covers BLOCK_G groups, BLOCK_K = 32 * BLOCK_G columns::
   p in 2..4) and the three bias products. Each weight is rounded to x.dtype once, as in the
   prefill GEMM; fp32 x multiplies in fp32 (``input_precision="ieee"``).
 - *Loads*: the words of a row are contiguous along K, 16 bytes per thread (K a multiple of 128
-  keeps every row 16-byte aligned); each word's step is read with it (one 2-byte load per
-  word, same shape and layout as the words, so no broadcast between layouts).
-- *Pipelining*: the weight tiles are prefetched in registers, PREFETCH (1 or 2) steps ahead of
-  the arithmetic: a packed tile is 8 weights per register (16 registers per thread for a
-  64 x 256 tile at 4 warps), and the first PREFETCH tiles are loaded *before* the PDL wait
-  (weights are never written by an earlier kernel), which a compiler-made prologue, placed
-  after the wait, could not do. ``num_stages`` is left to Triton's pipeliner for the x tile
-  (small, L2-resident, feeding the dot).
+  keeps every row 16-byte aligned); the steps of a row's BLOCK_G groups are one contiguous load,
+  broadcast to their 4 words each in registers.
+- *Loads and pipelining* (PREFETCH, num_stages): by default (PREFETCH=0, num_stages=1) a step's
+  words and steps are loaded in the loop iteration that unpacks them. Triton then moves the
+  *packed* words (4 bytes per 8 weights) and their steps into the MMA operand's register layout
+  through shared memory, and the unpacking runs in that layout; otherwise it moves the unpacked
+  16-bit planes (2 bytes per weight, stored and loaded again: at the HBM rate about all the
+  shared-memory bandwidth an SM has). In Triton 3.6's sm_90a output the conversion reaches the
+  packed words only when they are loaded in the same iteration and not pipelined by num_stages,
+  so latency is hidden by the 1-4 programs each SM holds (64-190 registers per thread at the
+  default tiles) and by splitting K until they hold 32 KiB of weights in flight per SM, rather
+  than by buffering inside a program. The first step is peeled so that its
+  weights are loaded before the PDL wait (weights are never written by an earlier kernel).
+  PREFETCH=1 or 2 instead keeps that many steps of words in flight in registers (8 weights per
+  register; the first ones loaded before the PDL wait too), and num_stages > 1 lets Triton
+  pipeline the loads through shared memory; both pay the conversion of the unpacked planes, and
+  both are in :func:`batch_tiling_candidates` for the GPU to decide.
 - *Split-K*: with SPLIT_K > 1 each program stores its fp32 partial [BLOCK_N, BLOCK_M] to a
   per-device scratch and takes a ticket from its tile's counter (acq_rel); the last program of
   the tile adds the partials in split order and runs the epilogue, then resets the counter, as
@@ -92,23 +101,26 @@ _MAX_SPLIT = 16  # the last program of a tile adds this many partials at most (u
 _BATCH_SLOTS = 1 << 12  # split-K ticket counters per device (row blocks of W x row blocks of x)
 _BATCH_PARTIALS = 1 << 22  # split-K fp32 partial sums per device (16 MiB)
 
-# (BLOCK_M, smallest N, tile): a shape takes the last row of its BLOCK_M whose smallest N it
-# reaches; a tile is (BLOCK_N, BLOCK_G, num_warps, num_stages, PREFETCH). Reasoning (H200: 132
-# SMs, 64 Ki registers and 228 KiB of shared memory each): every tile gives a thread 8-16 words
-# per step (2-4 loads of 16 bytes) and at most 64 fp32 sums. Every row block re-reads its slice
-# of x from L2, 3.6 * BLOCK_M / BLOCK_N times the weight bytes in all, so BLOCK_N grows with
-# BLOCK_M where N leaves enough row blocks to fill the GPU. BLOCK_G = 4 from 64 rows keeps a stage
-# of x at 16-32 KiB of shared memory. Two tiles in flight in registers where the sums leave room,
-# one with 64 sums per thread.
+# (BLOCK_M, smallest N, tile, registers): a shape takes the last row of its BLOCK_M whose smallest
+# N it reaches; a tile is (BLOCK_N, BLOCK_G, num_warps, num_stages, PREFETCH). Reasoning (H200:
+# 132 SMs, 64 Ki registers and 228 KiB of shared memory each): every tile gives a thread 8-16
+# words per step (2-4 loads of 16 bytes) and at most 64 fp32 sums. Every row block re-reads its
+# slice of x from L2, 3.6 * BLOCK_M / BLOCK_N times the weight bytes in all, so wide W (where row
+# blocks are plenty) takes wide blocks, and narrow W the tiles that an SM holds most bytes of at
+# once. Loads in the unpacking step (PREFETCH=0, num_stages=1, see the module docstring). The
+# last field is the registers per thread of Triton 3.6's sm_90a code (no spills), which sets how
+# many programs an SM holds (:func:`_programs_per_sm`): 3, 4, 3, 2, 2, 1, 1; BLOCK_G = 8 costs
+# 130-173 registers, and up to 255 with more than 16 words per thread.
 _TILES = (
-    (16, 0, (64, 8, 4, 2, 2)),
-    (16, 8192, (128, 8, 8, 2, 2)),
-    (32, 0, (128, 8, 8, 2, 2)),
-    (64, 0, (128, 4, 8, 2, 2)),
-    (64, 8192, (256, 4, 8, 2, 1)),
-    (128, 0, (128, 4, 8, 2, 1)),
-    (128, 65536, (256, 4, 16, 2, 1)),
+    (16, 0, (64, 8, 4, 1, 0), 130),
+    (16, 8192, (128, 4, 8, 1, 0), 64),
+    (32, 0, (64, 8, 4, 1, 0), 157),
+    (32, 8192, (128, 4, 8, 1, 0), 89),
+    (64, 0, (128, 4, 8, 1, 0), 113),
+    (64, 8192, (256, 4, 16, 1, 0), 100),
+    (128, 0, (128, 4, 8, 1, 0), 190),
 )
+_IN_FLIGHT = 32 << 10  # weight bytes to keep in flight per SM: ~4.1 TB/s over 132 SMs times ~1 us
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,10 +151,13 @@ def _plane_dot(w, xi, acc, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _tile_dot(words, steps, xt, acc, DOT_F32: tl.constexpr):
-    """acc [BN, BM] + W_tile @ xt^T for words [BN, T] int32 (T = 4 * BLOCK_G), the step of each
-    word [BN, T] and xt [BM, 8T] (the tile's columns in order): eight dots, one per nibble plane
-    (plane i is column 8j + i of word j, matched by the i-th column of each 8 of xt)."""
-    s = steps.to(tl.float32)
+    """acc [BN, BM] + W_tile @ xt^T for words [BN, T] int32 (T = 4 * BLOCK_G), the steps of their
+    groups [BN, T / 4] and xt [BM, 8T] (the tile's columns in order): eight dots, one per nibble plane
+    (plane i is column 8j + i of word j, matched by the i-th column of each 8 of xt), in order of
+    bit position so that each bias tensor dies early (130 rather than 160 registers at 64 x 256)."""
+    BN: tl.constexpr = words.shape[0]
+    T: tl.constexpr = words.shape[1]
+    s = tl.reshape(tl.broadcast_to(steps.to(tl.float32)[:, :, None], [BN, T // 4, 4]), [BN, T])
     b2 = s * -32776.0  # -(2^15 + 8) * s
     b3 = s * -2056.0  # -(2^11 + 8) * s
     b4 = s * -136.0  # -(2^7 + 8) * s
@@ -151,30 +166,40 @@ def _tile_dot(words, steps, xt, acc, DOT_F32: tl.constexpr):
     hi = w >> 12  # nibbles 5, 6, 7 at bits 8..19
     x0, x1, x2, x3, x4, x5, x6, x7 = _split_last(xt, 8)
     acc = _plane_dot(_nibble_times_step(lo, 2, s, b2), x0, acc, DOT_F32)
-    acc = _plane_dot(_nibble_times_step(lo, 3, s, b3), x1, acc, DOT_F32)
     acc = _plane_dot(_nibble_times_step(w, 2, s, b2), x2, acc, DOT_F32)
-    acc = _plane_dot(_nibble_times_step(w, 3, s, b3), x3, acc, DOT_F32)
-    acc = _plane_dot(_nibble_times_step(w, 4, s, b4), x4, acc, DOT_F32)
     acc = _plane_dot(_nibble_times_step(hi, 2, s, b2), x5, acc, DOT_F32)
+    acc = _plane_dot(_nibble_times_step(lo, 3, s, b3), x1, acc, DOT_F32)
+    acc = _plane_dot(_nibble_times_step(w, 3, s, b3), x3, acc, DOT_F32)
     acc = _plane_dot(_nibble_times_step(hi, 3, s, b3), x6, acc, DOT_F32)
+    acc = _plane_dot(_nibble_times_step(w, 4, s, b4), x4, acc, DOT_F32)
     acc = _plane_dot(_nibble_times_step(hi, 4, s, b4), x7, acc, DOT_F32)
     return acc
 
 
 @triton.jit
 def _tile_loads(w_ptr, s_ptr, w_off, s_off, rows_ok, kw, g0, g_end, EVEN: tl.constexpr):
-    """The step at group g0: words [BN, T] int32 and each word's step [BN, T]. Zeros (nothing
+    """The step at group g0: words [BN, T] int32 and the groups' steps [BN, T / 4]. Zeros (nothing
     read) once g0 >= g_end, the prefetches past a slice's end; masked at rows >= N and groups >=
     g_end unless EVEN (then every step is whole)."""
     if EVEN:
         live = (g0 + 0 * kw < g_end)[None, :]  # one predicate for the whole tile
         words = tl.load(w_ptr + w_off + 4 * g0, mask=live, other=0)
-        steps = tl.load(s_ptr + s_off + g0, mask=live, other=0.0)
+        steps = tl.load(s_ptr + s_off + g0, mask=(g0 + 0 * tl.arange(0, kw.shape[0] // 4) < g_end)[None, :], other=0.0)
     else:
-        ok = rows_ok & ((g0 + kw // 4) < g_end)[None, :]
-        words = tl.load(w_ptr + w_off + 4 * g0, mask=ok, other=0)
-        steps = tl.load(s_ptr + s_off + g0, mask=ok, other=0.0)
+        words = tl.load(w_ptr + w_off + 4 * g0, mask=rows_ok & ((g0 + kw // 4) < g_end)[None, :], other=0)
+        steps = tl.load(s_ptr + s_off + g0, mask=rows_ok & ((g0 + tl.arange(0, kw.shape[0] // 4)) < g_end)[None, :],
+                        other=0.0)
     return words, steps
+
+
+@triton.jit
+def _x_tile(x_ptr, x_off, x_rows_ok, kx, g0, g_end, EVEN: tl.constexpr):
+    """The x tile [BM, 32 * BLOCK_G] at group g0 (zeros past g_end unless EVEN, rows >= M)."""
+    if EVEN:
+        xt = tl.load(x_ptr + x_off + 32 * g0, mask=x_rows_ok, other=0.0)
+    else:
+        xt = tl.load(x_ptr + x_off + 32 * g0, mask=x_rows_ok & ((g0 + kx // 32) < g_end)[None, :], other=0.0)
+    return xt
 
 
 @triton.jit
@@ -227,8 +252,9 @@ def _batch_kernel(
     and its first column to idx [M, n_blocks] int32.
     Grid: (cdiv(M, BLOCK_M), n_blocks = cdiv(N, BLOCK_N), SPLIT_K). Program (m, n, k) sums over
     the groups [k * S, (k + 1) * S), S = BLOCK_G * cdiv(cdiv(G, SPLIT_K), BLOCK_G), in steps of
-    BLOCK_G groups (:func:`_tile_dot`), PREFETCH steps of weights in flight, the first ones loaded
-    before waiting for the kernel that wrote x (USE_PDL). EVEN (N a multiple of BLOCK_N, G of
+    BLOCK_G groups (:func:`_tile_dot`): PREFETCH = 0 loads each step's weights in that step (the
+    first step peeled), PREFETCH = 1 or 2 that many steps ahead; either way the first weights are
+    loaded before waiting for the kernel that wrote x (USE_PDL). EVEN (N a multiple of BLOCK_N, G of
     BLOCK_G * SPLIT_K) drops the row and group masks of the weights. With SPLIT_K > 1 the partial
     goes to part[slot, k] (slot = n * cdiv(M, BLOCK_M) + m); a ticket from lock[slot] elects the
     last program, which adds the partials in split order, runs the epilogue and resets the ticket.
@@ -246,7 +272,7 @@ def _batch_kernel(
     g_begin = pid_k * per_split
     g_end = tl.minimum(G, g_begin + per_split)
     w_off = rn[:, None] * (4 * G) + kw[None, :]
-    s_off = rn[:, None] * G + (kw // 4)[None, :]
+    s_off = rn[:, None] * G + tl.arange(0, BLOCK_G)[None, :]
     x_off = rm[:, None] * stride_xm + kx[None, :]
     rows_ok = (rn < N)[:, None]
     x_rows_ok = (rm < M)[:, None]
@@ -256,18 +282,24 @@ def _batch_kernel(
         words1, steps1 = _tile_loads(w_ptr, s_ptr, w_off, s_off, rows_ok, kw, g_begin + BLOCK_G, g_end, EVEN)
     wait_for_previous_kernel(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for g0 in range(g_begin, g_end, BLOCK_G):
-        if EVEN:
-            xt = tl.load(x_ptr + x_off + 32 * g0, mask=x_rows_ok, other=0.0)
-        else:
-            xt = tl.load(x_ptr + x_off + 32 * g0, mask=x_rows_ok & ((g0 + kx // 32) < g_end)[None, :], other=0.0)
-        nxt_w, nxt_s = _tile_loads(w_ptr, s_ptr, w_off, s_off, rows_ok, kw, g0 + PREFETCH * BLOCK_G, g_end, EVEN)
-        acc = _tile_dot(words, steps, xt, acc, DOT_F32)
-        if PREFETCH == 2:
-            words, steps = words1, steps1
-            words1, steps1 = nxt_w, nxt_s
-        else:
-            words, steps = nxt_w, nxt_s
+    if PREFETCH == 0:
+        # each step's words are loaded where they are unpacked, so the compiler moves them into
+        # the MMA operand's layout while still packed; the first step is peeled so that its
+        # weights are loaded before the wait
+        acc = _tile_dot(words, steps, _x_tile(x_ptr, x_off, x_rows_ok, kx, g_begin, g_end, EVEN), acc, DOT_F32)
+        for g0 in range(g_begin + BLOCK_G, g_end, BLOCK_G):
+            words, steps = _tile_loads(w_ptr, s_ptr, w_off, s_off, rows_ok, kw, g0, g_end, EVEN)
+            acc = _tile_dot(words, steps, _x_tile(x_ptr, x_off, x_rows_ok, kx, g0, g_end, EVEN), acc, DOT_F32)
+    else:
+        for g0 in range(g_begin, g_end, BLOCK_G):
+            xt = _x_tile(x_ptr, x_off, x_rows_ok, kx, g0, g_end, EVEN)
+            nxt_w, nxt_s = _tile_loads(w_ptr, s_ptr, w_off, s_off, rows_ok, kw, g0 + PREFETCH * BLOCK_G, g_end, EVEN)
+            acc = _tile_dot(words, steps, xt, acc, DOT_F32)
+            if PREFETCH == 2:
+                words, steps = words1, steps1
+                words1, steps1 = nxt_w, nxt_s
+            else:
+                words, steps = nxt_w, nxt_s
 
     if SPLIT_K == 1:
         _batch_epilogue(acc, rm, rn, pid_n, M, N, out_ptr, idx_ptr, u_ptr, stride_om, stride_um, n_blocks, softcap,
@@ -297,10 +329,22 @@ def _block_m(m: int) -> int:
 
 
 def _default_tile(n: int, block_m: int) -> tuple:
-    rows = [tile for bm, min_n, tile in _TILES if bm == block_m and n >= min_n]
+    rows = [tile for bm, min_n, tile, _ in _TILES if bm == block_m and n >= min_n]
     if not rows:
         raise ValueError(f"no batch tile for BLOCK_M={block_m}")
     return rows[-1]
+
+
+def _programs_per_sm(tiling: dict) -> int:
+    """Programs of this tiling an H200 SM holds at once, by registers (64 Ki per SM, 64 warps at
+    most): the table's measured count, else a rough fit to it (40 + 6 per word + 1.5 per sum)."""
+    block_m, block_n, block_g, warps = (tiling[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_G", "num_warps"))
+    measured = [regs for bm, _, (bn, bg, w, stages, prefetch), regs in _TILES
+                if (bm, bn, bg, w, stages, prefetch) == (block_m, block_n, block_g, warps, tiling["num_stages"],
+                                                         tiling["PREFETCH"])]
+    threads = 32 * warps
+    regs = measured[0] if measured else min(255, int(40 + 6 * block_n * 4 * block_g / threads + 1.5 * block_n * block_m / threads))
+    return max(1, min(65536 // (-(-regs // 8) * 8 * threads), 64 // warps))
 
 
 def _fits(n: int, m: int, tiling: dict) -> bool:
@@ -319,22 +363,28 @@ def _even_splits(g: int, block_g: int) -> list[int]:
 
 
 def _split_for(n: int, g: int, m: int, tile: dict, sm_count: int) -> int:
-    """The smallest whole-step split that launches a program on every SM and at least 8 warps
-    per SM (two programs of 4 warps): enough loads in flight on every SM. Else the largest that
-    fits the scratch and whose partials (written and read back through L2) stay within twice the
-    bytes the kernel moves anyway (the weights, and x re-read by every row block), which decides
-    at 64 and 128 rows of x on short rows of W."""
+    """SPLIT_K for a tile: the smallest whole-step split that launches a program on every SM and
+    keeps _IN_FLIGHT weight bytes in flight per SM (programs resident per SM times a step of
+    weights, times PREFETCH), in a single wave of the programs the SMs hold at once (a second
+    wave would be a tail as long as the first). Failing that, the largest split that still fits
+    one wave: a matrix too small to fill the GPU's loads then issues all of them at once, most
+    before the PDL wait. Only splits that fit the scratch and whose partials (written and read
+    back through L2) stay within twice the bytes the kernel moves anyway (the weights, and x
+    re-read by every row block) count, which decides at 64 and 128 rows of x on short rows of W."""
     row_blocks, x_blocks = triton.cdiv(n, tile["BLOCK_N"]), triton.cdiv(m, tile["BLOCK_M"])
     m_pad = x_blocks * tile["BLOCK_M"]
     partial_bytes = 8 * row_blocks * tile["BLOCK_N"] * m_pad
     moved_bytes = n * 32 * g * 9 // 16 + row_blocks * m_pad * 32 * g * 2
     fitting = [s for s in _even_splits(g, tile["BLOCK_G"])
                if _fits(n, m, dict(tile, SPLIT_K=s)) and (s == 1 or s * partial_bytes <= 2 * moved_bytes)]
-    for split in fitting:
-        programs = row_blocks * x_blocks * split
-        if programs >= sm_count and programs * tile["num_warps"] >= 8 * sm_count:
+    per_sm = _programs_per_sm(tile)
+    step_bytes = tile["BLOCK_N"] * 32 * tile["BLOCK_G"] * 9 // 16 * max(1, tile["PREFETCH"])
+    programs = lambda split: row_blocks * x_blocks * split  # noqa: E731
+    one_wave = [s for s in fitting if programs(s) <= per_sm * sm_count] or [1]
+    for split in one_wave:
+        if programs(split) >= sm_count and min(per_sm, programs(split) / sm_count) * step_bytes >= _IN_FLIGHT:
             return split
-    return fitting[-1]
+    return one_wave[-1]
 
 
 def _sms(device) -> int:
@@ -354,8 +404,8 @@ def batch_tiling(n: int, k: int, m: int, device=None, *, sm_count: int | None = 
 
 def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: int | None = None) -> list[dict]:
     """Tilings worth timing for one shape (tools/bench_w4.py --sweep): the table's; its tile with
-    every pipelining depth and every whole-step split; and the other tiles of 8-16 words and at
-    most 64 sums per thread, with the split rule's split. The table's comes first."""
+    every PREFETCH and num_stages and with every whole-step split; and the other tiles of 8-16
+    words and at most 64 sums per thread, with the split rule's split. The table's comes first."""
     sms = sm_count if sm_count is not None else _sms(device)
     g = k // 32
     base = batch_tiling(n, k, m, sm_count=sms)
@@ -365,8 +415,8 @@ def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: in
         if tiling not in out and _fits(n, m, tiling):
             out.append(tiling)
 
-    for stages in (1, 2, 3):
-        for prefetch in (1, 2):
+    for prefetch in (0, 1, 2):
+        for stages in (1, 2, 3):
             add(dict(base, num_stages=stages, PREFETCH=prefetch))
     for split in _even_splits(g, base["BLOCK_G"]):
         add(dict(base, SPLIT_K=split))
@@ -393,10 +443,10 @@ def _resolve(config: dict | None, n: int, k: int, m: int, device) -> dict:
     tiling.update({key: int(value) for key, value in config.items()})
     pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
     if not (pow2(tiling["BLOCK_M"]) and tiling["BLOCK_M"] >= 16 and pow2(tiling["BLOCK_N"]) and tiling["BLOCK_N"] >= 16
-            and pow2(tiling["BLOCK_G"]) and tiling["BLOCK_G"] >= 4 and tiling["PREFETCH"] in (1, 2)
+            and pow2(tiling["BLOCK_G"]) and tiling["BLOCK_G"] >= 4 and tiling["PREFETCH"] in (0, 1, 2)
             and tiling["SPLIT_K"] >= 1 and pow2(tiling["num_warps"]) and tiling["num_stages"] >= 1):
         raise ValueError(f"a batch tiling needs BLOCK_M, BLOCK_N >= 16 and BLOCK_G >= 4 (tl.dot's 16) as powers of two, "
-                         f"PREFETCH 1 or 2, SPLIT_K >= 1; got {tiling}")
+                         f"PREFETCH 0, 1 or 2, SPLIT_K >= 1; got {tiling}")
     if "SPLIT_K" not in config and any(key in config for key in ("BLOCK_N", "BLOCK_G", "BLOCK_M", "num_warps")):
         tiling["SPLIT_K"] = _split_for(n, k // 32, m, tiling, _sms(device))
     if not _fits(n, m, tiling):
