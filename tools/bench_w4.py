@@ -8,6 +8,9 @@ the launches are captured in one CUDA graph and timed with triton.testing.do_ben
 bytes = N*K/2 (codes) + N*K/16 (scales) + activations; GB/s = bytes / time. The 'per token' row
 weighs each shape by its count per decode step (gemma4-e2b.md section 5.5) and compares with the
 read bandwidth measured by a plain copy. --sweep also times the candidate tilings one by one.
+From --rows 2 (up to 128: a continuous-batching decode step) a second table times, the same
+way, the decode-batch kernel of qat4.ops.w4_batch beside the GEMV (up to 16 rows) and the prefill
+GEMM; --sweep there times every tiling of w4_batch.batch_tiling_candidates.
 Then (without --shapes): the output layer (logits, argmax), the prefill GEMM, the embeddings.
 --floor instead times chains of N x 1536 GEMVs from 0.1 to 42 MB at fixed tilings, with and without
 programmatic dependent launch: what a dependent GEMV costs before its bytes.
@@ -23,6 +26,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from qat4.ops import w4_batch as wb  # noqa: E402
 from qat4.ops import w4_linear as wl  # noqa: E402
 from qat4.ops.w4_embedding import w4_embedding  # noqa: E402
 
@@ -67,30 +71,38 @@ def copy_bandwidth(device):
     return 2 * a.numel() * 4 / ms / 1e6
 
 
-def chained_matvec(n, k, rows, dtype, device):
-    """A timer for the GEMV x [rows, K] @ W.T launched back to back over distinct copies of W [N, K]
-    (>= WORKING_SET in all, so every launch reads its weights from HBM) in one CUDA graph:
-    time_us(config=None) -> median µs per launch, with `config` as w4_matvec takes it."""
+def chained(n, k, rows, dtype, device):
+    """A timer for one op on x [rows, K] and W [N, K] launched back to back over distinct copies
+    of W (>= WORKING_SET in all, so every launch reads its weights from HBM) in one CUDA graph:
+    time_us(launch) -> median µs per launch, launch(x, packed, scales, out [rows, N]) making one."""
     copies = max(1, min(256, WORKING_SET // weight_bytes(n, k, dtype)))
     packed, scales = random_weight(n, k, dtype, device, copies)
     x = torch.randn(rows, k, dtype=dtype, device=device)
     out = torch.empty(copies, rows, n, dtype=dtype, device=device)
 
-    def run(config):
-        for i in range(copies):
-            wl.w4_matvec(x, packed[i], scales[i], out[i], config=config)
+    def time_us(launch):
+        return graph_time_us(lambda: [launch(x, packed[i], scales[i], out[i]) for i in range(copies)], copies)
 
-    return lambda config=None: graph_time_us(lambda: run(config), copies)
+    return time_us
+
+
+def chained_matvec(n, k, rows, dtype, device):
+    """:func:`chained` for the GEMV: time_us(config=None) -> median µs per launch, with `config`
+    as w4_matvec takes it."""
+    time_us = chained(n, k, rows, dtype, device)
+    return lambda config=None: time_us(lambda x, p, s, o: wl.w4_matvec(x, p, s, o, config=config))
 
 
 def bench_matvec(dtype, rows, sweep, shapes, device, peak):
+    """The GEMV table; returns µs per launch per (N, K)."""
     print(f"\n# decode GEMV, x [{rows}, K] {dtype}, scales {dtype}, CUDA graph over distinct copies, median")
     print(f"{'N x K':>14} {'count':>5} {'µs':>8} {'GB/s':>7} {'% copy':>6}  config")
     total_us = total_bytes = 0.0
+    timed = {}
     for n, k, count in shapes:
         nbytes = weight_bytes(n, k, dtype) + rows * k * 2 + rows * n * 2
         time_us = chained_matvec(n, k, rows, dtype, device)
-        us = time_us()
+        us = timed[n, k] = time_us()
         best = wl._matvec_tuned.best_config
         gbs = nbytes / us / 1e3
         total_us += us * count
@@ -107,6 +119,47 @@ def bench_matvec(dtype, rows, sweep, shapes, device, peak):
     gbs = total_bytes / total_us / 1e3
     print(f"{'per token':>14} {'':>5} {total_us:>8.1f} {gbs:>7.0f} {100 * gbs / peak:>5.0f}%  "
           f"({total_bytes / 1e9:.3f} GB over {sum(c for *_, c in shapes)} GEMVs)")
+    return timed
+
+
+def describe_batch_tiling(t):
+    return (f"BM={t['BLOCK_M']} BN={t['BLOCK_N']} BG={t['BLOCK_G']} split={t['SPLIT_K']} pf={t['PREFETCH']} "
+            f"w={t['num_warps']} st={t['num_stages']}")
+
+
+def bench_batch(dtype, rows, sweep, shapes, device, peak, gemv_us=None):
+    """Per decode shape: the GEMV (from `gemv_us`, the GEMV table's timings, when given), the
+    prefill GEMM and the decode-batch kernel at its table's tiling, each over distinct copies in
+    one CUDA graph; --sweep adds every candidate tiling of the batch kernel."""
+    gemv_us = gemv_us or {}
+    print(f"\n# decode batch, x [{rows}, K] {dtype}, CUDA graph over distinct copies, median µs per launch; "
+          f"GB/s and % copy of the batch kernel")
+    print(f"{'N x K':>14} {'count':>5} {'GEMV':>8} {'GEMM':>8} {'batch':>8} {'GB/s':>7} {'% copy':>6}  batch tiling")
+    totals = {"GEMV": 0.0, "GEMM": 0.0, "batch": 0.0}
+    total_bytes = 0.0
+    for n, k, count in shapes:
+        nbytes = weight_bytes(n, k, dtype) + rows * k * 2 + rows * n * 2
+        time_us = chained(n, k, rows, dtype, device)
+        tiling = wb.batch_tiling(n, k, rows, device)
+        gemm = time_us(lambda x, p, s, o: wl.w4_matmul(x, p, s))
+        batch = time_us(lambda x, p, s, o: wb.w4_batch_linear(x, p, s, out=o, config=tiling))
+        gemv = gemv_us.get((n, k))
+        for name, us in (("GEMV", gemv), ("GEMM", gemm), ("batch", batch)):
+            totals[name] += (us or 0.0) * count
+        total_bytes += nbytes * count
+        gbs = nbytes / batch / 1e3
+        gemv_cell = f"{gemv:>8.2f}" if gemv is not None else f"{'-':>8}"
+        print(f"{n:>7} x {k:<5} {count:>5} {gemv_cell} {gemm:>8.2f} {batch:>8.2f} {gbs:>7.0f} {100 * gbs / peak:>5.0f}%  "
+              f"{describe_batch_tiling(tiling)}")
+        if sweep:
+            for candidate in wb.batch_tiling_candidates(n, k, rows, device)[1:]:
+                us = time_us(lambda x, p, s, o, c=candidate: wb.w4_batch_linear(x, p, s, out=o, config=c))
+                print(f"{'':>38} {us:>8.2f} {nbytes / us / 1e3:>7.0f}         {describe_batch_tiling(candidate)}")
+        del time_us  # frees this shape's copies before the next shape's
+    gbs = total_bytes / totals["batch"] / 1e3
+    gemv_total = f"{totals['GEMV']:>8.1f}" if gemv_us else f"{'-':>8}"
+    print(f"{'per token':>14} {'':>5} {gemv_total} {totals['GEMM']:>8.1f} {totals['batch']:>8.1f} {gbs:>7.0f} "
+          f"{100 * gbs / peak:>5.0f}%  ({total_bytes / 1e9:.3f} GB over {sum(c for *_, c in shapes)} launches)")
 
 
 FLOOR_ROWS = (128, 512, 1536, 3072, 6144, 12288, 24576, 49152)
@@ -177,8 +230,9 @@ def bench_embedding(dtype, device):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    parser.add_argument("--rows", type=int, default=1, help="rows of x for the decode GEMV (1..16)")
-    parser.add_argument("--sweep", action="store_true", help="also time every GEMV tiling")
+    parser.add_argument("--rows", type=int, default=1,
+                        help="rows of x: the GEMV table up to 16, the decode-batch table from 2 (up to 128)")
+    parser.add_argument("--sweep", action="store_true", help="also time every GEMV and decode-batch tiling")
     parser.add_argument("--shapes", help="decode shapes to time, e.g. 262144x1536,1536x12288 (default: all)")
     parser.add_argument("--floor", action="store_true", help="only the chained-GEMV cost against weight bytes")
     args = parser.parse_args()
@@ -196,7 +250,11 @@ def main():
     if args.shapes:
         wanted = {tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")}
         shapes = [shape for shape in DECODE_SHAPES if shape[:2] in wanted]
-    bench_matvec(dtype, args.rows, args.sweep, shapes, device, peak)
+    if args.rows < 1:
+        sys.exit("--rows must be at least 1.")
+    gemv_us = bench_matvec(dtype, args.rows, args.sweep, shapes, device, peak) if args.rows <= wl.MAX_MATVEC_ROWS else None
+    if args.rows >= 2:
+        bench_batch(dtype, args.rows, args.sweep, shapes, device, peak, gemv_us)
     if not args.shapes:
         bench_output(dtype, device, peak)
         bench_prefill(dtype, device)

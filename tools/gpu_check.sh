@@ -4,7 +4,7 @@
 # $OUT (default ./out). Compiled kernels are kept between machines: a tarball of the Triton cache in
 # parts of at most 15 MiB (default out/triton_cache.tgz.*; a machine returns files of up to 16 MiB)
 # is unpacked first and written back to $OUT at the end.
-#   usage: tools/gpu_check.sh [tests|kernels|profile|bench|all]...   (default: all)
+#   usage: tools/gpu_check.sh [tests|kernels|profile|bench|all|batch]...   (default: all; batch only when named)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -35,6 +35,15 @@ if want kernels; then
     timeout 90 python3 tools/bench_w4.py --floor 2>&1 | tee "$OUT/bench_w4_floor.log" | tail -12
     timeout 90 python3 tools/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" | tail -20
     timeout 60 python3 tools/bench_sync.py 2>&1 | tee "$OUT/bench_sync.log"
+fi
+if [[ " ${steps[*]} " == *" batch "* ]]; then
+    # the decode-batch kernel: its GPU tests, then its table beside the GEMV and GEMM at 16 and 64 rows
+    timeout 300 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_w4_batch_gpu.py 2>&1 \
+        | tee "$OUT/gpu_tests_batch.log" | tail -15
+    shapes=2560x1536,5120x1536,2048x1536,4096x1536,1536x2048,1536x4096,12288x1536,24576x1536,1536x6144,1536x12288,256x1536,1536x256,262144x1536
+    for rows in 16 64; do
+        timeout 240 python3 tools/bench_w4.py --rows $rows --shapes $shapes 2>&1 | tee "$OUT/bench_w4_batch_$rows.log" | tail -18
+    done
 fi
 if want profile; then
     timeout 150 python3 tools/profile_step.py --depth 512 2>&1 | tee "$OUT/profile_step.log" | head -40

@@ -10,7 +10,9 @@ programmatic edges.
 
 PDL is used for launches over at most MAX_ROWS token rows (decode; prefill's large grids would
 only crowd the SMs), on CUDA devices of compute capability 9.0 or later, outside the
-interpreter, unless ``QAT4_PDL=0``.
+interpreter, unless ``QAT4_PDL=0``. A kernel that serves continuous-batching decode steps passes
+``max_rows=MAX_BATCH_ROWS``: a step of up to 128 sequences is still a chain of short kernels,
+while a prefill of more rows keeps launching without PDL.
 """
 
 import functools
@@ -20,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16
+MAX_ROWS = 16  # rows of the single-sequence decode step (the GEMV's limit)
+MAX_BATCH_ROWS = 128  # rows of a continuous-batching decode step
 
 
 @functools.lru_cache(maxsize=None)
@@ -28,10 +31,10 @@ def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl_launch(tensor: torch.Tensor, rows: int) -> dict:
+def pdl_launch(tensor: torch.Tensor, rows: int, max_rows: int = MAX_ROWS) -> dict:
     """Keyword arguments of a launch over `rows` token rows of CUDA `tensor`: the kernel's
-    ``USE_PDL`` constexpr and, when on, Triton's ``launch_pdl`` option."""
-    on = (tensor.is_cuda and rows <= MAX_ROWS and os.environ.get("QAT4_PDL", "1") != "0"
+    ``USE_PDL`` constexpr and, when on (at most `max_rows` rows), Triton's ``launch_pdl`` option."""
+    on = (tensor.is_cuda and rows <= max_rows and os.environ.get("QAT4_PDL", "1") != "0"
           and os.environ.get("TRITON_INTERPRET", "0") != "1" and _capable(tensor.device.index or 0))
     return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
 

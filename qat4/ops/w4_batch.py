@@ -1,0 +1,565 @@
+"""Packed int4 x 16-bit matrix products on tensor cores for decode batches (2..128 rows of x).
+
+A continuous-batching decode step multiplies a few dozen rows of activations by every weight
+matrix. The GEMV of :mod:`qat4.ops.w4_linear` pays the unpacking and one FMA per weight *per
+row* on CUDA cores, and the prefill GEMM's tiles are built for thousands of rows and do not split
+K; this kernel unpacks every weight once per program, multiplies on tensor cores and splits K
+until the GPU is full, so that it streams the weights near bandwidth from 2 to 128 rows.
+
+Layout as in :mod:`qat4.ops.w4_linear`: W [N, K], K a multiple of 32, ``packed`` int32 [N, K/8]
+(column ``8j + i`` in bits ``4i..4i+3`` of word ``j`` as the code ``level + 8``), ``scales``
+fp16/bf16 [N, K/32]; ``y = x @ W.T`` with fp32 accumulation; W never exists in 16 bits in memory.
+
+Entry points (each checked against the reference of :mod:`qat4.ops.w4_linear` named beside it):
+
+- :func:`w4_batch_linear` (:func:`~qat4.ops.w4_linear.w4_linear_reference`): out [M, N] in x.dtype.
+- :func:`w4_batch_linear_gelu` (:func:`~qat4.ops.w4_linear.w4_linear_gelu_reference`): the MLP's
+  gate/up with alternating rows, out [M, N/2]; or gelu(y) * up, out [M, N].
+- :func:`w4_batch_logits` (:func:`~qat4.ops.w4_linear.w4_logits_reference`): fp32 logits
+  ``cap * tanh(y / cap)``; :func:`w4_batch_argmax` (:func:`~qat4.ops.w4_linear.w4_argmax_reference`):
+  the first maximum of those logits per row, without writing them.
+
+Kernel (:func:`_batch_kernel`)
+------------------------------
+
+Grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K)``. Program (m, n, k) owns rows
+``[n * BLOCK_N, (n + 1) * BLOCK_N)`` of W, rows ``[m * BLOCK_M, (m + 1) * BLOCK_M)`` of x (all of
+them for M <= 128) and the k-th of SPLIT_K slices of K (a whole number of steps each). A step
+covers BLOCK_G groups, BLOCK_K = 32 * BLOCK_G columns::
+
+    words [BLOCK_N, 4 * BLOCK_G] int32 ----- 8 nibble planes -----> W_i [BLOCK_N, 4 * BLOCK_G] x.dtype
+    x tile [BLOCK_M, BLOCK_K] ------------- 8 column planes ------> x_i [BLOCK_M, 4 * BLOCK_G]
+    acc [BLOCK_N, BLOCK_M] fp32 += W_i @ x_i^T   (i = 0..7, eight tl.dot per step)
+
+- *Swapped orientation*: ``acc = W @ x^T``, so the large weight dimension is the MMA's M side
+  (64 rows per warpgroup on Hopper) and the few rows of x its N side (16 and up), instead of
+  padding 2..16 rows of x up to an M side of 64. It also makes the unpacked weights the dot's
+  *left* operand, which Hopper's wgmma (and mma.sync) read from registers: the unpacked tile is
+  never written to shared memory; only the small x tile is.
+- *Nibble planes instead of interleaving*: plane i holds nibble i of every word, W_i[:, j] =
+  W[:, 8j + i]; x is split the same way (x_i[:, j] = x[:, 8j + i], register splits of a
+  contiguous load), and a dot over K does not care in which order K comes. Each plane is an
+  elementwise function of the loaded words, so no join/reshape moves unpacked values between
+  threads (the prefill GEMM's interleaving ``unpack_levels`` does) and the compiler may load the
+  words straight into the dot operand's layout.
+- *Unpacking* (:func:`_nibble_times_step`): a nibble at bits 4p..4p+3 (p in 2..4) ANDed out and
+  ORed under the exponent of 2^(23 - 4p) reads as the float 2^(23 - 4p) + code, so
+  ``fma(f, s, -(2^(23 - 4p) + 8) * s)`` is (code - 8) * s = W exactly (one rounding of an exact
+  result; the bias product has at most 24 significant bits). Per weight one AND+OR (a LOP3), one
+  FMA and half a conversion to x.dtype; per word two shifts (nibbles 0, 1 and 5..7 are moved to
+  p in 2..4) and the three bias products. Each weight is rounded to x.dtype once, as in the
+  prefill GEMM; fp32 x multiplies in fp32 (``input_precision="ieee"``).
+- *Loads*: the words of a row are contiguous along K, 16 bytes per thread (K a multiple of 128
+  keeps every row 16-byte aligned); the steps of a row's BLOCK_G groups are one contiguous load,
+  broadcast to their 4 words each in registers.
+- *Loads and pipelining* (PREFETCH, num_stages): by default (PREFETCH=0, num_stages=1) a step's
+  words and steps are loaded in the loop iteration that unpacks them. Triton then moves the
+  *packed* words (4 bytes per 8 weights) and their steps into the MMA operand's register layout
+  through shared memory, and the unpacking runs in that layout; otherwise it moves the unpacked
+  16-bit planes (2 bytes per weight, stored and loaded again: at the HBM rate about all the
+  shared-memory bandwidth an SM has). In Triton 3.6's sm_90a output the conversion reaches the
+  packed words only when they are loaded in the same iteration and not pipelined by num_stages,
+  so latency is hidden by the 1-4 programs each SM holds (64-190 registers per thread at the
+  default tiles) and by splitting K until they hold 32 KiB of weights in flight per SM, rather
+  than by buffering inside a program. The first step is peeled so that its
+  weights are loaded before the PDL wait (weights are never written by an earlier kernel).
+  PREFETCH=1 or 2 instead keeps that many steps of words in flight in registers (8 weights per
+  register; the first ones loaded before the PDL wait too), and num_stages > 1 lets Triton
+  pipeline the loads through shared memory; both pay the conversion of the unpacked planes, and
+  both are in :func:`batch_tiling_candidates` for the GPU to decide.
+- *Split-K*: with SPLIT_K > 1 each program stores its fp32 partial [BLOCK_N, BLOCK_M] to a
+  per-device scratch and takes a ticket from its tile's counter (acq_rel); the last program of
+  the tile adds the partials in split order and runs the epilogue, then resets the counter, as
+  :func:`~qat4.ops.w4_linear._matvec_kernel` does: one launch, deterministic whatever order the
+  programs finish in.
+- *Epilogues* (constexpr): PLAIN (out [M, N] in x.dtype), GELU_PAIRS and GELU_UP (the rounding
+  points of ``w4_linear_gelu_reference``: y to x.dtype, ``gelu_tanh_gate``), SOFTCAP (fp32,
+  ``_softcap``), ARGMAX (per row of x and block of W the softcapped maximum and its first column,
+  then :func:`~qat4.ops.w4_linear._argmax_reduce_kernel`).
+
+Tilings (:func:`batch_tiling`) come from a fixed table per BLOCK_M (the rows of x rounded up to
+16, 32, 64 or 128) and N, and a split rule; nothing is timed at decode time, so a captured CUDA
+graph launches what the table says. ``config=`` pins any of its keys (:data:`TILING_KEYS`);
+:func:`batch_tiling_candidates` lists what tools/bench_w4.py --sweep times.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from qat4.ops.norms import gelu_tanh_gate
+from qat4.ops.pdl import MAX_BATCH_ROWS, pdl_launch, wait_for_previous_kernel
+from qat4.ops.w4_linear import (  # noqa: F401  (the references are this module's references too)
+    GELU_PAIRS, GELU_UP, PLAIN, _argmax_reduce_kernel, _check, _interpreting, _sm_count, _softcap, _split_last,
+    _unit_columns, w4_argmax_reference, w4_linear_gelu_reference, w4_linear_reference, w4_logits_reference,
+)
+
+TILING_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_G", "SPLIT_K", "PREFETCH", "num_warps", "num_stages")
+_MAX_SPLIT = 16  # the last program of a tile adds this many partials at most (unrolled)
+_BATCH_SLOTS = 1 << 12  # split-K ticket counters per device (row blocks of W x row blocks of x)
+_BATCH_PARTIALS = 1 << 22  # split-K fp32 partial sums per device (16 MiB)
+
+# (BLOCK_M, smallest N, tile, registers): a shape takes the last row of its BLOCK_M whose smallest
+# N it reaches; a tile is (BLOCK_N, BLOCK_G, num_warps, num_stages, PREFETCH). Reasoning (H200:
+# 132 SMs, 64 Ki registers and 228 KiB of shared memory each): every tile gives a thread 8-16
+# words per step (2-4 loads of 16 bytes) and at most 64 fp32 sums. Every row block re-reads its
+# slice of x from L2, 3.6 * BLOCK_M / BLOCK_N times the weight bytes in all, so wide W (where row
+# blocks are plenty) takes wide blocks, and narrow W the tiles that an SM holds most bytes of at
+# once. Loads in the unpacking step (PREFETCH=0, num_stages=1, see the module docstring). The
+# last field is the registers per thread of Triton 3.6's sm_90a code (no spills), which sets how
+# many programs an SM holds (:func:`_programs_per_sm`): 3, 4, 3, 2, 2, 1, 1; BLOCK_G = 8 costs
+# 130-173 registers, and up to 255 with more than 16 words per thread.
+_TILES = (
+    (16, 0, (64, 8, 4, 1, 0), 130),
+    (16, 8192, (128, 4, 8, 1, 0), 64),
+    (32, 0, (64, 8, 4, 1, 0), 157),
+    (32, 8192, (128, 4, 8, 1, 0), 89),
+    (64, 0, (128, 4, 8, 1, 0), 113),
+    (64, 8192, (256, 4, 16, 1, 0), 100),
+    (128, 0, (128, 4, 8, 1, 0), 190),
+)
+_IN_FLIGHT = 32 << 10  # weight bytes to keep in flight per SM: ~4.1 TB/s over 132 SMs times ~1 us
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+
+
+@triton.jit
+def _nibble_times_step(src, P: tl.constexpr, step, bias):
+    """(code - 8) * step for the nibble at bits 4P..4P+3 of uint32 src (P in 2..4), exactly, in
+    fp32: the nibble ORed under the exponent of 2^(23 - 4P) reads as 2^(23 - 4P) + code, and
+    bias = -(2^(23 - 4P) + 8) * step (exact: at most 13 + 11 significant bits)."""
+    f = ((src & (15 << (4 * P))) | ((150 - 4 * P) << 23)).to(tl.float32, bitcast=True)
+    return tl.fma(f, step, bias)
+
+
+@triton.jit
+def _plane_dot(w, xi, acc, DOT_F32: tl.constexpr):
+    """acc [BN, BM] + w [BN, T] @ xi [BM, T]^T, w (fp32 weights) rounded to xi.dtype first: on
+    tensor cores in xi.dtype, or with DOT_F32 in fp32 (fp32 x; bf16 under the interpreter, whose
+    dot cannot take bf16, on the same rounded values)."""
+    w = w.to(xi.dtype)
+    if DOT_F32:
+        acc = tl.dot(w.to(tl.float32), tl.trans(xi.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(w, tl.trans(xi), acc)
+    return acc
+
+
+@triton.jit
+def _tile_dot(words, steps, xt, acc, DOT_F32: tl.constexpr):
+    """acc [BN, BM] + W_tile @ xt^T for words [BN, T] int32 (T = 4 * BLOCK_G), the steps of their
+    groups [BN, T / 4] and xt [BM, 8T] (the tile's columns in order): eight dots, one per nibble plane
+    (plane i is column 8j + i of word j, matched by the i-th column of each 8 of xt), in order of
+    bit position so that each bias tensor dies early (130 rather than 160 registers at 64 x 256)."""
+    BN: tl.constexpr = words.shape[0]
+    T: tl.constexpr = words.shape[1]
+    s = tl.reshape(tl.broadcast_to(steps.to(tl.float32)[:, :, None], [BN, T // 4, 4]), [BN, T])
+    b2 = s * -32776.0  # -(2^15 + 8) * s
+    b3 = s * -2056.0  # -(2^11 + 8) * s
+    b4 = s * -136.0  # -(2^7 + 8) * s
+    w = words.to(tl.uint32, bitcast=True)
+    lo = w << 8  # nibbles 0, 1 at bits 8..15
+    hi = w >> 12  # nibbles 5, 6, 7 at bits 8..19
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split_last(xt, 8)
+    acc = _plane_dot(_nibble_times_step(lo, 2, s, b2), x0, acc, DOT_F32)
+    acc = _plane_dot(_nibble_times_step(w, 2, s, b2), x2, acc, DOT_F32)
+    acc = _plane_dot(_nibble_times_step(hi, 2, s, b2), x5, acc, DOT_F32)
+    acc = _plane_dot(_nibble_times_step(lo, 3, s, b3), x1, acc, DOT_F32)
+    acc = _plane_dot(_nibble_times_step(w, 3, s, b3), x3, acc, DOT_F32)
+    acc = _plane_dot(_nibble_times_step(hi, 3, s, b3), x6, acc, DOT_F32)
+    acc = _plane_dot(_nibble_times_step(w, 4, s, b4), x4, acc, DOT_F32)
+    acc = _plane_dot(_nibble_times_step(hi, 4, s, b4), x7, acc, DOT_F32)
+    return acc
+
+
+@triton.jit
+def _tile_loads(w_ptr, s_ptr, w_off, s_off, rows_ok, kw, g0, g_end, EVEN: tl.constexpr):
+    """The step at group g0: words [BN, T] int32 and the groups' steps [BN, T / 4]. Zeros (nothing
+    read) once g0 >= g_end, the prefetches past a slice's end; masked at rows >= N and groups >=
+    g_end unless EVEN (then every step is whole)."""
+    if EVEN:
+        live = (g0 + 0 * kw < g_end)[None, :]  # one predicate for the whole tile
+        words = tl.load(w_ptr + w_off + 4 * g0, mask=live, other=0)
+        steps = tl.load(s_ptr + s_off + g0, mask=(g0 + 0 * tl.arange(0, kw.shape[0] // 4) < g_end)[None, :], other=0.0)
+    else:
+        words = tl.load(w_ptr + w_off + 4 * g0, mask=rows_ok & ((g0 + kw // 4) < g_end)[None, :], other=0)
+        steps = tl.load(s_ptr + s_off + g0, mask=rows_ok & ((g0 + tl.arange(0, kw.shape[0] // 4)) < g_end)[None, :],
+                        other=0.0)
+    return words, steps
+
+
+@triton.jit
+def _x_tile(x_ptr, x_off, x_rows_ok, kx, g0, g_end, EVEN: tl.constexpr):
+    """The x tile [BM, 32 * BLOCK_G] at group g0 (zeros past g_end unless EVEN, rows >= M)."""
+    if EVEN:
+        xt = tl.load(x_ptr + x_off + 32 * g0, mask=x_rows_ok, other=0.0)
+    else:
+        xt = tl.load(x_ptr + x_off + 32 * g0, mask=x_rows_ok & ((g0 + kx // 32) < g_end)[None, :], other=0.0)
+    return xt
+
+
+@triton.jit
+def _batch_epilogue(acc, rm, rn, pid_n, M, N, out_ptr, idx_ptr, u_ptr, stride_om, stride_um, n_blocks, softcap,
+                    SOFTCAP: tl.constexpr, ARGMAX: tl.constexpr, EPILOGUE: tl.constexpr):
+    """Finish the fp32 sums acc [BN, BM] of W rows rn and x rows rm (see :func:`_batch_kernel`)."""
+    y = tl.trans(acc)  # [BM, BN]: rows of x, then columns of out
+    BM: tl.constexpr = y.shape[0]
+    BN: tl.constexpr = y.shape[1]
+    if SOFTCAP:
+        y = _softcap(y, softcap)
+    if ARGMAX:
+        vals = tl.where((rn < N)[None, :], y, float("-inf"))
+        tl.store(out_ptr + rm * n_blocks + pid_n, tl.max(vals, axis=1), mask=rm < M)
+        tl.store(idx_ptr + rm * n_blocks + pid_n, pid_n * BN + tl.argmax(vals, axis=1, tie_break_left=True),
+                 mask=rm < M)
+    elif EPILOGUE == GELU_PAIRS:
+        dt: tl.constexpr = out_ptr.dtype.element_ty
+        gate, up = tl.split(tl.reshape(y.to(dt).to(tl.float32), [BM, BN // 2, 2]))
+        cols = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+        mask = (rm < M)[:, None] & (cols < N // 2)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_om + cols[None, :], gelu_tanh_gate(gate, up, dt), mask=mask)
+    else:
+        mask = (rm < M)[:, None] & (rn < N)[None, :]
+        if EPILOGUE == GELU_UP:
+            dt: tl.constexpr = out_ptr.dtype.element_ty
+            up = tl.load(u_ptr + rm[:, None] * stride_um + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = gelu_tanh_gate(y.to(dt).to(tl.float32), up, dt)
+        else:
+            y = y.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y, mask=mask)
+
+
+@triton.heuristics({"EVEN": lambda a: a["N"] % a["BLOCK_N"] == 0 and a["G"] % (a["BLOCK_G"] * a["SPLIT_K"]) == 0})
+@triton.jit
+def _batch_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, idx_ptr, u_ptr, part_ptr, lock_ptr,
+    M, N, G, stride_xm, stride_om, stride_um, softcap,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr,
+    PREFETCH: tl.constexpr, EPILOGUE: tl.constexpr, SOFTCAP: tl.constexpr, ARGMAX: tl.constexpr,
+    DOT_F32: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """out = epilogue(x [M, K] @ W.T) for a few rows of x; K = 32 * G.
+
+    x [M, K] (row stride stride_xm, unit column stride), W words [N, 4G] int32, scales [N, G].
+    EPILOGUE: PLAIN stores y to out [M, N] (out's dtype); GELU_PAIRS (rows of W alternate gate and
+    up) stores gelu_tanh(y[:, 2j]) * y[:, 2j + 1] to out [M, N / 2]; GELU_UP stores gelu_tanh(y)
+    * U to out [M, N] (U row stride stride_um). SOFTCAP applies softcap * tanh(y / softcap) first
+    (then out is fp32). ARGMAX stores, instead of y, each block's maximum to out [M, n_blocks] fp32
+    and its first column to idx [M, n_blocks] int32.
+    Grid: (cdiv(M, BLOCK_M), n_blocks = cdiv(N, BLOCK_N), SPLIT_K). Program (m, n, k) sums over
+    the groups [k * S, (k + 1) * S), S = BLOCK_G * cdiv(cdiv(G, SPLIT_K), BLOCK_G), in steps of
+    BLOCK_G groups (:func:`_tile_dot`): PREFETCH = 0 loads each step's weights in that step (the
+    first step peeled), PREFETCH = 1 or 2 that many steps ahead; either way the first weights are
+    loaded before waiting for the kernel that wrote x (USE_PDL). EVEN (N a multiple of BLOCK_N, G of
+    BLOCK_G * SPLIT_K) drops the row and group masks of the weights. With SPLIT_K > 1 the partial
+    goes to part[slot, k] (slot = n * cdiv(M, BLOCK_M) + m); a ticket from lock[slot] elects the
+    last program, which adds the partials in split order, runs the epilogue and resets the ticket.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    n_blocks = tl.num_programs(1)
+    T: tl.constexpr = 4 * BLOCK_G
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kw = tl.arange(0, T)
+    kx = tl.arange(0, 8 * T)
+    per_split = tl.cdiv(tl.cdiv(G, SPLIT_K), BLOCK_G) * BLOCK_G
+    g_begin = pid_k * per_split
+    g_end = tl.minimum(G, g_begin + per_split)
+    w_off = rn[:, None] * (4 * G) + kw[None, :]
+    s_off = rn[:, None] * G + tl.arange(0, BLOCK_G)[None, :]
+    x_off = rm[:, None] * stride_xm + kx[None, :]
+    rows_ok = (rn < N)[:, None]
+    x_rows_ok = (rm < M)[:, None]
+
+    words, steps = _tile_loads(w_ptr, s_ptr, w_off, s_off, rows_ok, kw, g_begin, g_end, EVEN)
+    if PREFETCH == 2:
+        words1, steps1 = _tile_loads(w_ptr, s_ptr, w_off, s_off, rows_ok, kw, g_begin + BLOCK_G, g_end, EVEN)
+    wait_for_previous_kernel(USE_PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if PREFETCH == 0:
+        # each step's words are loaded where they are unpacked, so the compiler moves them into
+        # the MMA operand's layout while still packed; the first step is peeled so that its
+        # weights are loaded before the wait
+        acc = _tile_dot(words, steps, _x_tile(x_ptr, x_off, x_rows_ok, kx, g_begin, g_end, EVEN), acc, DOT_F32)
+        for g0 in range(g_begin + BLOCK_G, g_end, BLOCK_G):
+            words, steps = _tile_loads(w_ptr, s_ptr, w_off, s_off, rows_ok, kw, g0, g_end, EVEN)
+            acc = _tile_dot(words, steps, _x_tile(x_ptr, x_off, x_rows_ok, kx, g0, g_end, EVEN), acc, DOT_F32)
+    else:
+        for g0 in range(g_begin, g_end, BLOCK_G):
+            xt = _x_tile(x_ptr, x_off, x_rows_ok, kx, g0, g_end, EVEN)
+            nxt_w, nxt_s = _tile_loads(w_ptr, s_ptr, w_off, s_off, rows_ok, kw, g0 + PREFETCH * BLOCK_G, g_end, EVEN)
+            acc = _tile_dot(words, steps, xt, acc, DOT_F32)
+            if PREFETCH == 2:
+                words, steps = words1, steps1
+                words1, steps1 = nxt_w, nxt_s
+            else:
+                words, steps = nxt_w, nxt_s
+
+    if SPLIT_K == 1:
+        _batch_epilogue(acc, rm, rn, pid_n, M, N, out_ptr, idx_ptr, u_ptr, stride_om, stride_um, n_blocks, softcap,
+                        SOFTCAP, ARGMAX, EPILOGUE)
+    else:
+        slot = pid_n * tl.num_programs(0) + pid_m
+        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(part_ptr + (slot * SPLIT_K + pid_k) * (BLOCK_N * BLOCK_M) + tile, acc)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(lock_ptr + slot, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for k in tl.static_range(SPLIT_K):
+                total += tl.load(part_ptr + (slot * SPLIT_K + k) * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
+            _batch_epilogue(total, rm, rn, pid_n, M, N, out_ptr, idx_ptr, u_ptr, stride_om, stride_um, n_blocks,
+                            softcap, SOFTCAP, ARGMAX, EPILOGUE)
+            tl.atomic_xchg(lock_ptr + slot, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tilings
+
+
+def _block_m(m: int) -> int:
+    """Rows of x per program: the rows rounded up to 16, 32, 64 or 128 (more rows: blocks of 128)."""
+    return min(max(16, triton.next_power_of_2(m)), 128)
+
+
+def _default_tile(n: int, block_m: int) -> tuple:
+    rows = [tile for bm, min_n, tile, _ in _TILES if bm == block_m and n >= min_n]
+    if not rows:
+        raise ValueError(f"no batch tile for BLOCK_M={block_m}")
+    return rows[-1]
+
+
+def _programs_per_sm(tiling: dict) -> int:
+    """Programs of this tiling an H200 SM holds at once, by registers (64 Ki per SM, 64 warps at
+    most): the table's measured count, else a rough fit to it (40 + 6 per word + 1.5 per sum)."""
+    block_m, block_n, block_g, warps = (tiling[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_G", "num_warps"))
+    measured = [regs for bm, _, (bn, bg, w, stages, prefetch), regs in _TILES
+                if (bm, bn, bg, w, stages, prefetch) == (block_m, block_n, block_g, warps, tiling["num_stages"],
+                                                         tiling["PREFETCH"])]
+    threads = 32 * warps
+    regs = measured[0] if measured else min(255, int(40 + 6 * block_n * 4 * block_g / threads + 1.5 * block_n * block_m / threads))
+    return max(1, min(65536 // (-(-regs // 8) * 8 * threads), 64 // warps))
+
+
+def _fits(n: int, m: int, tiling: dict) -> bool:
+    """Whether a tiling's split-K partials and tickets fit the per-device scratch."""
+    split = tiling["SPLIT_K"]
+    slots = triton.cdiv(n, tiling["BLOCK_N"]) * triton.cdiv(m, tiling["BLOCK_M"])
+    return split == 1 or (split <= _MAX_SPLIT and slots <= _BATCH_SLOTS
+                          and slots * split * tiling["BLOCK_N"] * tiling["BLOCK_M"] <= _BATCH_PARTIALS)
+
+
+def _even_splits(g: int, block_g: int) -> list[int]:
+    """Splits of K into whole steps of block_g groups: divisors of the step count (all of them up
+    to it when G is no multiple of block_g), at most _MAX_SPLIT."""
+    steps = triton.cdiv(g, block_g)
+    return [s for s in range(1, min(steps, _MAX_SPLIT) + 1) if g % block_g or steps % s == 0]
+
+
+def _split_for(n: int, g: int, m: int, tile: dict, sm_count: int) -> int:
+    """SPLIT_K for a tile: the smallest whole-step split that launches a program on every SM and
+    keeps _IN_FLIGHT weight bytes in flight per SM (programs resident per SM times a step of
+    weights, times PREFETCH), in a single wave of the programs the SMs hold at once (a second
+    wave would be a tail as long as the first). Failing that, the largest split that still fits
+    one wave: a matrix too small to fill the GPU's loads then issues all of them at once, most
+    before the PDL wait. Only splits that fit the scratch and whose partials (written and read
+    back through L2) stay within twice the bytes the kernel moves anyway (the weights, and x
+    re-read by every row block) count, which decides at 64 and 128 rows of x on short rows of W."""
+    row_blocks, x_blocks = triton.cdiv(n, tile["BLOCK_N"]), triton.cdiv(m, tile["BLOCK_M"])
+    m_pad = x_blocks * tile["BLOCK_M"]
+    partial_bytes = 8 * row_blocks * tile["BLOCK_N"] * m_pad
+    moved_bytes = n * 32 * g * 9 // 16 + row_blocks * m_pad * 32 * g * 2
+    fitting = [s for s in _even_splits(g, tile["BLOCK_G"])
+               if _fits(n, m, dict(tile, SPLIT_K=s)) and (s == 1 or s * partial_bytes <= 2 * moved_bytes)]
+    per_sm = _programs_per_sm(tile)
+    step_bytes = tile["BLOCK_N"] * 32 * tile["BLOCK_G"] * 9 // 16 * max(1, tile["PREFETCH"])
+    programs = lambda split: row_blocks * x_blocks * split  # noqa: E731
+    one_wave = [s for s in fitting if programs(s) <= per_sm * sm_count] or [1]
+    for split in one_wave:
+        if programs(split) >= sm_count and min(per_sm, programs(split) / sm_count) * step_bytes >= _IN_FLIGHT:
+            return split
+    return one_wave[-1]
+
+
+def _sms(device) -> int:
+    return _sm_count(torch.device(device)) if device is not None else 1
+
+
+def batch_tiling(n: int, k: int, m: int, device=None, *, sm_count: int | None = None) -> dict:
+    """The table's tiling (keys :data:`TILING_KEYS`) for W [n, k] and m rows of x on `device`
+    (its SM count sets the split; `sm_count` overrides it; no device: one SM)."""
+    block_m = _block_m(m)
+    block_n, block_g, warps, stages, prefetch = _default_tile(n, block_m)
+    tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_G": block_g, "PREFETCH": prefetch,
+            "num_warps": warps, "num_stages": stages}
+    sms = sm_count if sm_count is not None else _sms(device)
+    return dict(tile, SPLIT_K=_split_for(n, k // 32, m, tile, sms))
+
+
+def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: int | None = None) -> list[dict]:
+    """Tilings worth timing for one shape (tools/bench_w4.py --sweep): the table's; its tile with
+    every PREFETCH and num_stages and with every whole-step split; and the other tiles of 8-16
+    words and at most 64 sums per thread, with the split rule's split. The table's comes first."""
+    sms = sm_count if sm_count is not None else _sms(device)
+    g = k // 32
+    base = batch_tiling(n, k, m, sm_count=sms)
+    out = [base]
+
+    def add(tiling):
+        if tiling not in out and _fits(n, m, tiling):
+            out.append(tiling)
+
+    for prefetch in (0, 1, 2):
+        for stages in (1, 2, 3):
+            add(dict(base, num_stages=stages, PREFETCH=prefetch))
+    for split in _even_splits(g, base["BLOCK_G"]):
+        add(dict(base, SPLIT_K=split))
+    block_m = base["BLOCK_M"]
+    for block_n in (64, 128, 256):
+        for block_g in (4, 8):
+            for warps in (4, 8, 16):
+                threads = 32 * warps
+                if not (8 <= block_n * 4 * block_g // threads <= 16 and block_n * block_m // threads <= 64):
+                    continue
+                tile = dict(base, BLOCK_N=block_n, BLOCK_G=block_g, num_warps=warps)
+                add(dict(tile, SPLIT_K=_split_for(n, g, m, tile, sms)))
+    return out
+
+
+def _resolve(config: dict | None, n: int, k: int, m: int, device) -> dict:
+    """The table's tiling with the keys `config` pins, checked; a pinned tile without a pinned
+    SPLIT_K gets the split rule's split for that tile."""
+    tiling = batch_tiling(n, k, m, device)
+    config = config or {}
+    unknown = set(config) - set(TILING_KEYS)
+    if unknown:
+        raise ValueError(f"unknown batch tiling keys {sorted(unknown)}; use {TILING_KEYS}")
+    tiling.update({key: int(value) for key, value in config.items()})
+    pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
+    if not (pow2(tiling["BLOCK_M"]) and tiling["BLOCK_M"] >= 16 and pow2(tiling["BLOCK_N"]) and tiling["BLOCK_N"] >= 16
+            and pow2(tiling["BLOCK_G"]) and tiling["BLOCK_G"] >= 4 and tiling["PREFETCH"] in (0, 1, 2)
+            and tiling["SPLIT_K"] >= 1 and pow2(tiling["num_warps"]) and tiling["num_stages"] >= 1):
+        raise ValueError(f"a batch tiling needs BLOCK_M, BLOCK_N >= 16 and BLOCK_G >= 4 (tl.dot's 16) as powers of two, "
+                         f"PREFETCH 0, 1 or 2, SPLIT_K >= 1; got {tiling}")
+    if "SPLIT_K" not in config and any(key in config for key in ("BLOCK_N", "BLOCK_G", "BLOCK_M", "num_warps")):
+        tiling["SPLIT_K"] = _split_for(n, k // 32, m, tiling, _sms(device))
+    if not _fits(n, m, tiling):
+        raise ValueError(f"split-K scratch too small for {tiling} at N={n}, M={m}")
+    return tiling
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+
+
+@functools.lru_cache(maxsize=None)
+def batch_scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-device split-K ticket counters (zero between launches) and fp32 partials of
+    :func:`_batch_kernel`. Its launches on one device must therefore run one at a time (one
+    stream, as in a decode graph); the first launch allocates them, so make one (or call this)
+    before a CUDA graph capture."""
+    return (torch.zeros(_BATCH_SLOTS, dtype=torch.int32, device=device),
+            torch.empty(_BATCH_PARTIALS, dtype=torch.float32, device=device))
+
+
+def _launch(x, packed, scales, out, *, epilogue=PLAIN, up=None, softcap=None, idx=None, argmax=False, config=None,
+            tiling=None) -> dict:
+    """One :func:`_batch_kernel` launch (see its docstring for what each argument feeds); returns
+    the tiling launched."""
+    (m, k), (n, kw) = x.shape, packed.shape
+    tiling = tiling or _resolve(config, n, k, m, x.device)
+    if m == 0:
+        return tiling
+    locks, partials = batch_scratch(x.device)
+    grid = (triton.cdiv(m, tiling["BLOCK_M"]), triton.cdiv(n, tiling["BLOCK_N"]), tiling["SPLIT_K"])
+    dot_f32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _interpreting())
+    _batch_kernel[grid](
+        x, packed, scales, out, out if idx is None else idx, out if up is None else up, partials, locks,
+        m, n, kw // 4, x.stride(0), out.stride(0), 0 if up is None else up.stride(0),
+        1.0 if softcap is None else float(softcap),
+        BLOCK_M=tiling["BLOCK_M"], BLOCK_N=tiling["BLOCK_N"], BLOCK_G=tiling["BLOCK_G"], SPLIT_K=tiling["SPLIT_K"],
+        PREFETCH=tiling["PREFETCH"], EPILOGUE=int(epilogue), SOFTCAP=softcap is not None, ARGMAX=argmax,
+        DOT_F32=dot_f32, num_warps=tiling["num_warps"], num_stages=tiling["num_stages"],
+        **pdl_launch(x, m, max_rows=MAX_BATCH_ROWS),
+    )
+    return tiling
+
+
+def _operands(x, packed, scales):
+    _check(x, packed, scales)
+    return _unit_columns(x), packed.contiguous(), scales.contiguous()
+
+
+def _output(out, shape, dtype, device):
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {dtype} {tuple(shape)} with unit column stride, got {out.dtype} "
+                         f"{tuple(out.shape)} strides {out.stride()}")
+    return out
+
+
+def w4_batch_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *, out: torch.Tensor | None = None,
+                    config: dict | None = None) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, N] in x.dtype, fp32 accumulation (:func:`w4_linear_reference`).
+
+    `out` [M, N] (x.dtype, unit column stride) may be given, e.g. a CUDA graph's buffer; `config`
+    pins keys of :func:`batch_tiling`'s tiling.
+    """
+    x, packed, scales = _operands(x, packed, scales)
+    out = _output(out, (x.shape[0], packed.shape[0]), x.dtype, x.device)
+    _launch(x, packed, scales, out, config=config)
+    return out
+
+
+def w4_batch_linear_gelu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, up: torch.Tensor | None = None,
+                         *, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """The GELU-gated layer of :func:`w4_linear_gelu_reference`, the gate in the epilogue: without
+    `up` W's rows alternate gate and up and the result is [M, N / 2]; with `up` [M, N] (unit
+    column stride, any row stride), gelu(y) * up [M, N]."""
+    x, packed, scales = _operands(x, packed, scales)
+    (m, _), n = x.shape, packed.shape[0]
+    if up is None and n % 2:
+        raise ValueError(f"GELU row pairs need an even row count, got N={n}")
+    if up is not None and tuple(up.shape) != (m, n):
+        raise ValueError(f"up must be [{m}, {n}], got {tuple(up.shape)}")
+    out = _output(out, (m, n if up is not None else n // 2), x.dtype, x.device)
+    _launch(x, packed, scales, out, epilogue=GELU_PAIRS if up is None else GELU_UP, up=_unit_columns(up), config=config)
+    return out
+
+
+def w4_batch_logits(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float | None = 30.0,
+                    *, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """The output layer, fp32 logits [M, N] = softcap * tanh((x @ W.T) / softcap), or x @ W.T in
+    fp32 when softcap is None (:func:`w4_logits_reference`)."""
+    x, packed, scales = _operands(x, packed, scales)
+    out = _output(out, (x.shape[0], packed.shape[0]), torch.float32, x.device)
+    _launch(x, packed, scales, out, softcap=softcap, config=config)
+    return out
+
+
+def w4_batch_argmax(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float | None = 30.0,
+                    *, config: dict | None = None) -> torch.Tensor:
+    """Greedy tokens, int64 [M]: the first maximum per row of :func:`w4_batch_logits` (bit for bit,
+    for the same tiling) without writing the logits (:func:`w4_argmax_reference`). Each program
+    keeps its block's maximum and first column; :func:`_argmax_reduce_kernel` picks per row the
+    first block holding the overall maximum."""
+    x, packed, scales = _operands(x, packed, scales)
+    (m, k), n = x.shape, packed.shape[0]
+    tiling = _resolve(config, n, k, m, x.device)
+    n_blocks = triton.cdiv(n, tiling["BLOCK_N"])
+    pmax = torch.empty(m, n_blocks, dtype=torch.float32, device=x.device)
+    pidx = torch.empty(m, n_blocks, dtype=torch.int32, device=x.device)
+    _launch(x, packed, scales, pmax, idx=pidx, softcap=softcap, argmax=True, tiling=tiling)
+    top = torch.empty(m, dtype=torch.int64, device=x.device)
+    if m:
+        block = min(16384, triton.next_power_of_2(n_blocks))
+        _argmax_reduce_kernel[(m,)](pmax, pidx, top, n_blocks, BLOCK=block, num_warps=16 if block >= 8192 else 4,
+                                    **pdl_launch(x, m, max_rows=MAX_BATCH_ROWS))
+    return top
