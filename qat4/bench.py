@@ -39,6 +39,14 @@ class DepthResult:
 
 
 @dataclass
+class BatchResult:
+    batch: int  # sequences decoding together
+    context: int  # tokens each held when the timed steps began
+    decode_tok_s: float  # tokens over the whole batch per second
+    ms_per_step: float
+
+
+@dataclass
 class BenchReport:
     model: str
     device: str
@@ -51,7 +59,10 @@ class BenchReport:
     prompt_tok_s: float
     ttft_ms: float
     prefill_chunk: int = 0
+    kv_tokens: int = 0
+    max_num_seqs: int = 1
     depths: list[DepthResult] = field(default_factory=list)
+    batches: list[BatchResult] = field(default_factory=list)
     peak_mib: float = 0.0
     memory_cap_mib: float | None = None
     peers: dict = field(default_factory=dict)
@@ -140,12 +151,30 @@ def time_decode(engine: Engine, depth: int, new: int, generator: torch.Generator
     return 1 / out.decode_tok_s
 
 
+@torch.no_grad()
+def time_batch(engine: Engine, batch: int, context: int, new: int, generator: torch.Generator) -> BatchResult:
+    """Aggregate decode speed of `batch` sequences decoding together, each holding `context` prompt
+    tokens: every prompt is read first, then `new` steps of the engine's loop (decode rows only,
+    graph replays on CUDA) are timed; the decode phase alone, as llama-batched-bench's S_TG."""
+    seqs = [engine.add_request(_random_ids(engine, context, generator), new + 4, temperature=0, stop_token_ids=[])
+            for _ in range(batch)]
+    while any(not s.output for s in seqs):
+        engine.step()
+    engine.step()
+    seconds = _timed(engine.device, engine.step, times=new)
+    for seq in seqs:
+        engine.abort(seq)
+    engine.drain()
+    return BatchResult(batch, context, batch * new / seconds, seconds / new * 1e3)
+
+
 def _random_ids(engine: Engine, n: int, generator: torch.Generator) -> list[int]:
     return torch.randint(3, engine.config.vocab_size, (n,), generator=generator).tolist()
 
 
 def run(engine: Engine, model_name: str, depths: list[int], new: int, prompt: int,
-        memory_cap_mib: float | None = None, log=print) -> BenchReport:
+        memory_cap_mib: float | None = None, batches: list[int] = (), batch_context: int = 512,
+        log=print) -> BenchReport:
     """Measure everything on one engine; `log` receives progress lines."""
     device = engine.device
     g = torch.Generator().manual_seed(0)
@@ -164,6 +193,7 @@ def run(engine: Engine, model_name: str, depths: list[int], new: int, prompt: in
         read_bandwidth_gb_s=bandwidth / 1e9, model_mib=engine.nbytes["model"] / MIB,
         kv_cache_mib=engine.nbytes["kv_cache"] / MIB, max_ctx=engine.max_ctx, prompt_tokens=prompt,
         prompt_tok_s=prompt_tok_s, ttft_ms=ttft, prefill_chunk=engine.prefill_chunk, memory_cap_mib=memory_cap_mib,
+        kv_tokens=engine.pool.capacity_tokens, max_num_seqs=engine.max_num_seqs,
     )
     for depth in depths:
         depth = min(depth, engine.max_ctx - decode_tokens(new))
@@ -171,6 +201,9 @@ def run(engine: Engine, model_name: str, depths: list[int], new: int, prompt: in
         sec = time_decode(engine, depth, new, g)
         nbytes = weights + kv_bytes_per_token(engine, depth)
         report.depths.append(DepthResult(depth, 1 / sec, sec * 1e3, nbytes, bandwidth / nbytes))
+    for batch in batches:
+        log(f"decoding {new} steps of {batch} sequences of {batch_context} tokens")
+        report.batches.append(time_batch(engine, batch, batch_context, new, g))
     report.peak_mib = max(peak_before, _peak_mib(device))
     return report
 
@@ -182,7 +215,8 @@ def _device_name(device: torch.device) -> str:
 def format_table(report: BenchReport) -> str:
     lines = [
         f"model {report.model} on {report.device} ({report.dtype}), read bandwidth {report.read_bandwidth_gb_s:,.0f} GB/s",
-        f"model {report.model_mib:,.0f} MiB, KV cache {report.kv_cache_mib:,.0f} MiB for {report.max_ctx:,} tokens, "
+        f"model {report.model_mib:,.0f} MiB, KV pool {report.kv_cache_mib:,.0f} MiB ({report.kv_tokens:,} tokens, "
+        f"up to {report.max_num_seqs} sequences of up to {report.max_ctx:,}), "
         f"peak {report.peak_mib:,.0f} MiB" + (f" (cap {report.memory_cap_mib:g} MiB)" if report.memory_cap_mib else ""),
         f"prompt {report.prompt_tokens:,} tokens in chunks of {report.prefill_chunk:,}: {report.prompt_tok_s:,.0f} tok/s, "
         f"time to first token {report.ttft_ms:,.1f} ms",
@@ -192,6 +226,10 @@ def format_table(report: BenchReport) -> str:
     for d in report.depths:
         lines.append(f"{d.depth:>8,} {d.decode_tok_s:>13,.1f} {d.ms_per_token:>9.3f} {d.bytes_per_token / 1e6:>9,.1f} "
                      f"{d.roofline_tok_s:>15,.0f} {d.roofline_fraction:>11.1%}")
+    if report.batches:
+        lines += ["", f"{'batch':>8} {'context':>8} {'decode tok/s':>13} {'ms/step':>8}"]
+        for b in report.batches:
+            lines.append(f"{b.batch:>8} {b.context:>8,} {b.decode_tok_s:>13,.1f} {b.ms_per_step:>8.3f}")
     if report.peers:
         first = f"depth {report.depths[0].depth:,}" if report.depths else "no depth"
         lines += ["", f"{'same weights':>18} {'decode tok/s':>13} {'prompt tok/s':>13} {'peak MiB':>9} "

@@ -24,7 +24,8 @@ from qat4.errors import Qat4Error
 from qat4.ops.attention import PagedSeqs, paged_attention
 from qat4.ops.norms import qk_norm_rope, qk_norm_rope_store, rms_norm, rope_cos_sin_cache, rope_inv_freq
 from qat4.ops.w4_embedding import w4_embedding
-from qat4.ops.w4_linear import ResidualStep, w4_argmax, w4_linear, w4_linear_gelu, w4_linear_residual, w4_logits
+from qat4.ops.w4 import w4_argmax, w4_linear, w4_linear_gelu, w4_linear_residual, w4_logits
+from qat4.ops.w4_linear import ResidualStep
 
 class Pages(Protocol):
     """The KV pages a forward reads and writes (:class:`qat4.engine.kv_cache.KVPool`): K and V

@@ -105,22 +105,24 @@ def test_embedding_reference_is_exact():
     assert torch.equal(out.double(), dense(levels, steps)[ids] * 39.25)
 
 
-def test_dispatch_follows_qat4_ops(monkeypatch):
+def test_dispatch_follows_qat4_ops_and_the_rows(monkeypatch):
+    from qat4.ops import w4
+
     _, _, packed, scales = random_weight(24, 64)
     calls = []
-    monkeypatch.setattr(wl, "w4_matvec", lambda x, p, s: calls.append("matvec") or wl.w4_linear_reference(x, p, s))
-    monkeypatch.setattr(wl, "w4_matmul", lambda x, p, s: calls.append("matmul") or wl.w4_linear_reference(x, p, s))
-    x_small, x_big = torch.randn(2, 5, 64), torch.randn(17, 64)  # leading dims are flattened
+    for name in ("w4_matvec", "w4_batch_linear", "w4_matmul"):
+        monkeypatch.setattr(w4, name, lambda x, p, s, name=name: calls.append(name) or wl.w4_linear_reference(x, p, s))
+    x_small = torch.randn(2, 2, 64)  # leading dims are flattened
     for mode in ("auto", "reference"):
         monkeypatch.setenv("QAT4_OPS", mode)
-        assert wl.w4_linear(x_small, packed, scales).shape == (2, 5, 24) and calls == []
+        assert w4.w4_linear(x_small, packed, scales).shape == (2, 2, 24) and calls == []
     monkeypatch.setenv("QAT4_OPS", "triton")
-    wl.w4_linear(x_small, packed, scales)
-    wl.w4_linear(x_big, packed, scales)
-    assert calls == ["matvec", "matmul"]
+    for rows in (1, w4.GEMV_ROWS, w4.GEMV_ROWS + 1, w4.BATCH_ROWS, w4.BATCH_ROWS + 1):
+        w4.w4_linear(torch.randn(rows, 64), packed, scales)
+    assert calls == ["w4_matvec", "w4_matvec", "w4_batch_linear", "w4_batch_linear", "w4_matmul"]
     monkeypatch.setenv("QAT4_OPS", "fast")
     with pytest.raises(Qat4Error, match="QAT4_OPS"):
-        wl.w4_linear(x_small, packed, scales)
+        w4.w4_linear(x_small, packed, scales)
 
 
 def test_prefill_precision_choice(monkeypatch):
@@ -332,18 +334,25 @@ def test_kernel_embedding_is_exact(k, out_dtype, scale_dtype, ids):
 
 @kernel_test
 def test_kernel_dispatchers(monkeypatch):
+    """The GEMV, the decode-batch kernel and the GEMM behind qat4.ops.w4, each by its rows."""
+    from qat4.ops import w4
+
     monkeypatch.setenv("QAT4_OPS", "triton")
+    monkeypatch.setattr(w4, "BATCH_ROWS", 16)  # the GEMM from 17 rows: a small shape for the interpreter
     x, packed, scales = kernel_inputs(18, 24, 64, torch.float16, torch.float16)
     reference = wl.w4_linear_reference(x, packed, scales)
-    assert rel_err(wl.w4_linear(x, packed, scales), reference) < 2 * OUT_TOL[torch.float16]
-    assert rel_err(wl.w4_linear(x[:2], packed, scales), reference[:2]) < OUT_TOL[torch.float16]
-    assert torch.equal(wl.w4_argmax(x[:3], packed, scales), wl.w4_argmax_reference(x[:3], packed, scales))
-    for rows in (x[:2], x):  # the GEMV, then the GEMM
-        tol = OUT_TOL[torch.float16] * (1 if rows.shape[0] <= wl.MAX_MATVEC_ROWS else 2)
-        assert rel_err(wl.w4_linear_gelu(rows, packed, scales), wl.w4_linear_gelu_reference(rows, packed, scales)) < tol
+    assert rel_err(w4.w4_linear(x, packed, scales), reference) < 2 * OUT_TOL[torch.float16]
+    assert rel_err(w4.w4_linear(x[:2], packed, scales), reference[:2]) < OUT_TOL[torch.float16]
+    assert torch.equal(w4.w4_argmax(x[:3], packed, scales), wl.w4_argmax_reference(x[:3], packed, scales))
+    for rows in (x[:2], x[:8], x):  # the GEMV, the decode-batch kernel, the GEMM
+        tol = OUT_TOL[torch.float16] * (1 if rows.shape[0] <= w4.GEMV_ROWS else 2)
+        assert rel_err(w4.w4_linear_gelu(rows, packed, scales), wl.w4_linear_gelu_reference(rows, packed, scales)) < tol
         step = wl.ResidualStep(torch.randn_like(rows[:, :24]), torch.ones(24, device=KERNEL_DEVICE, dtype=rows.dtype))
-        got, _ = wl.w4_linear_residual(rows, packed, scales, step)
+        got, _ = w4.w4_linear_residual(rows, packed, scales, step)
         assert rel_err(got, wl.w4_linear_residual_reference(rows, packed, scales, step)[0]) < tol
+    logits = w4.w4_logits(x[:8], packed, scales)
+    assert rel_err(logits, wl.w4_logits_reference(x[:8], packed, scales)) < 2 * OUT_TOL[torch.float16]
+    assert torch.equal(w4.w4_argmax(x[:8], packed, scales), logits.argmax(-1))
     ids = torch.tensor([1, 23], device=KERNEL_DEVICE)
     assert torch.equal(we.w4_embedding(ids, packed, scales, 16.0, torch.float16),
                        we.w4_embedding_reference(ids, packed, scales, 16.0, torch.float16))

@@ -223,11 +223,10 @@ def test_config_pins_keys_and_bad_tilings_are_rejected():
         wb.w4_batch_linear_gelu(x, packed[:47], scales[:47])
 
 
-def test_pdl_reaches_decode_batches_but_not_prefill(monkeypatch):
+def test_pdl_reaches_decode_batches_but_not_prefill_chunks(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("QAT4_PDL", raising=False)
     monkeypatch.setattr(pdl, "_capable", lambda index: True)
     gpu_tensor = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
-    on = lambda rows, **kw: pdl.pdl_launch(gpu_tensor, rows, **kw)["USE_PDL"]  # noqa: E731
-    assert on(16) and not on(17)  # the default: single-sequence decode only
-    assert on(128, max_rows=pdl.MAX_BATCH_ROWS) and not on(129, max_rows=pdl.MAX_BATCH_ROWS)
+    on = lambda rows: pdl.pdl_launch(gpu_tensor, rows)["USE_PDL"]  # noqa: E731
+    assert on(1) and on(128) and not on(129) and not on(256)

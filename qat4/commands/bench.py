@@ -31,6 +31,11 @@ def add_parser(sub) -> None:
     p.add_argument("--depths", default="0,4096,32768,131072", help="comma-separated context depths (default: %(default)s)")
     p.add_argument("--new", type=int, default=128, help="tokens decoded at each depth (default: %(default)s)")
     p.add_argument("--prompt", type=int, default=4096, help="prompt length for prompt tok/s (default: %(default)s)")
+    p.add_argument("--batch", default="", metavar="B,B,...",
+                   help="also decode B sequences together at each of these sizes (aggregate tok/s of the decode "
+                        "phase, as llama-batched-bench's S_TG), each holding --batch-context tokens")
+    p.add_argument("--batch-context", type=int, default=512, metavar="N",
+                   help="prompt tokens of each sequence of a --batch run (default: %(default)s)")
     p.add_argument("--memory-cap-mib", type=float, help="cap this process's GPU memory, e.g. 3732 for a 4 GB card")
     p.add_argument("--max-ctx", type=int, help="KV cache size in tokens (default: the deepest depth plus --new, at most the model's)")
     p.add_argument("--prefill-chunk", type=int, default=None,
@@ -125,8 +130,9 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         raise Qat4Error("--model is required: a checkpoint, Hub id or synthetic:e2b (or use `qat4 bench serve`)")
     depths = _int_list(args.depths, "--depths", 0, "non-negative token counts")
-    if args.new < 1 or args.prompt < 1:
-        raise Qat4Error("--new and --prompt must be at least 1")
+    batches = _int_list(args.batch, "--batch", 1, "numbers of sequences of at least 1") if args.batch else []
+    if args.new < 1 or args.prompt < 1 or args.batch_context < 1:
+        raise Qat4Error("--new, --prompt and --batch-context must be at least 1")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise Qat4Error("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
@@ -134,11 +140,14 @@ def run(args: argparse.Namespace) -> int:
     bench.progress(f"loading {args.model}")
     packed = load_packed_for_bench(args.model, device, args.seed)
     cfg = packed.config
-    max_ctx = args.max_ctx or min(cfg.max_position_embeddings, max(max(depths) + bench.decode_tokens(args.new), args.prompt + 1))
+    longest = max(max(depths) + bench.decode_tokens(args.new), args.prompt + 1, args.batch_context + args.new + 8)
+    max_ctx = args.max_ctx or min(cfg.max_position_embeddings, longest)
+    kv_tokens = max(max_ctx, max(batches, default=1) * (args.batch_context + args.new + 8))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     engine = Engine.from_packed(packed, device, max_ctx=max_ctx, prefill_chunk=args.prefill_chunk,
-                                memory_cap_mib=args.memory_cap_mib)
+                                memory_cap_mib=args.memory_cap_mib, kv_tokens=kv_tokens,
+                                max_num_seqs=max(batches) if batches else None)
     bench.progress(f"engine ready in {time.perf_counter() - t0:.1f} s")
     if device.type == "cuda" and not args.tune:
         bench.progress(pinned_tilings_note(*engine.pinned_tilings))
@@ -149,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
         before, after, path = engine.tune_decode()
         bench.progress(f"decode step {before:,.0f} -> {after:,.0f} µs with the tuned tilings, saved to {path}")
     report = bench.run(engine, args.model, depths, args.new, min(args.prompt, max_ctx),
-                       memory_cap_mib=args.memory_cap_mib, log=bench.progress)
+                       memory_cap_mib=args.memory_cap_mib, batches=batches, batch_context=args.batch_context,
+                       log=bench.progress)
     if args.peers == "hf":
         del engine
         report.peers["transformers-bf16"] = bench.run_hf_peer(packed, device, args.prompt, args.new, report,

@@ -8,11 +8,9 @@ writes are visible. Every kernel so launched waits before it reads or writes any
 the chain stays ordered exactly as without PDL. Captured in a CUDA graph, the launches keep their
 programmatic edges.
 
-PDL is used for launches over at most MAX_ROWS token rows (decode; prefill's large grids would
-only crowd the SMs), on CUDA devices of compute capability 9.0 or later, outside the
-interpreter, unless ``QAT4_PDL=0``. A kernel that serves continuous-batching decode steps passes
-``max_rows=MAX_BATCH_ROWS``: a step of up to 128 sequences is still a chain of short kernels,
-while a prefill of more rows keeps launching without PDL.
+PDL is used for launches over at most MAX_ROWS token rows (a decode step of up to 128 sequences is
+still a chain of short kernels; prefill's large grids would only crowd the SMs), on CUDA devices
+of compute capability 9.0 or later, outside the interpreter, unless ``QAT4_PDL=0``.
 """
 
 import functools
@@ -22,8 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16  # rows of the single-sequence decode step (the GEMV's limit)
-MAX_BATCH_ROWS = 128  # rows of a continuous-batching decode step
+MAX_ROWS = 128  # token rows of the largest decode batch launched with PDL
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,10 +28,10 @@ def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl_launch(tensor: torch.Tensor, rows: int, max_rows: int = MAX_ROWS) -> dict:
+def pdl_launch(tensor: torch.Tensor, rows: int) -> dict:
     """Keyword arguments of a launch over `rows` token rows of CUDA `tensor`: the kernel's
-    ``USE_PDL`` constexpr and, when on (at most `max_rows` rows), Triton's ``launch_pdl`` option."""
-    on = (tensor.is_cuda and rows <= max_rows and os.environ.get("QAT4_PDL", "1") != "0"
+    ``USE_PDL`` constexpr and, when on (at most MAX_ROWS rows), Triton's ``launch_pdl`` option."""
+    on = (tensor.is_cuda and rows <= MAX_ROWS and os.environ.get("QAT4_PDL", "1") != "0"
           and os.environ.get("TRITON_INTERPRET", "0") != "1" and _capable(tensor.device.index or 0))
     return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
 

@@ -90,7 +90,7 @@ import triton
 import triton.language as tl
 
 from qat4.ops.norms import gelu_tanh_gate
-from qat4.ops.pdl import MAX_BATCH_ROWS, pdl_launch, wait_for_previous_kernel
+from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
 from qat4.ops.w4_linear import (  # noqa: F401  (the references are this module's references too)
     GELU_PAIRS, GELU_UP, PLAIN, _argmax_reduce_kernel, _check, _interpreting, _sm_count, _softcap, _split_last,
     _unit_columns, w4_argmax_reference, w4_linear_gelu_reference, w4_linear_reference, w4_logits_reference,
@@ -486,7 +486,7 @@ def _launch(x, packed, scales, out, *, epilogue=PLAIN, up=None, softcap=None, id
         BLOCK_M=tiling["BLOCK_M"], BLOCK_N=tiling["BLOCK_N"], BLOCK_G=tiling["BLOCK_G"], SPLIT_K=tiling["SPLIT_K"],
         PREFETCH=tiling["PREFETCH"], EPILOGUE=int(epilogue), SOFTCAP=softcap is not None, ARGMAX=argmax,
         DOT_F32=dot_f32, num_warps=tiling["num_warps"], num_stages=tiling["num_stages"],
-        **pdl_launch(x, m, max_rows=MAX_BATCH_ROWS),
+        **pdl_launch(x, m),
     )
     return tiling
 
@@ -561,5 +561,5 @@ def w4_batch_argmax(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     if m:
         block = min(16384, triton.next_power_of_2(n_blocks))
         _argmax_reduce_kernel[(m,)](pmax, pidx, top, n_blocks, BLOCK=block, num_warps=16 if block >= 8192 else 4,
-                                    **pdl_launch(x, m, max_rows=MAX_BATCH_ROWS))
+                                    **pdl_launch(x, m))
     return top

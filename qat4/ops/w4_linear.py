@@ -5,18 +5,18 @@ A weight W [N, K] (N outputs, K inputs, K a multiple of 32) is kept in the layou
 word ``j`` as the code ``level + 8``; ``scales`` fp16/bf16 [N, K/32], ``W[r, c] = scales[r, c // 32]
 * level``. Every op computes ``y = x @ W.T`` with fp32 accumulation and never writes W in 16 bits.
 
-Entry points (each kernel has a plain-torch reference with the same signature):
+Kernels (each with a plain-torch reference of the same signature; :mod:`qat4.ops.w4` picks among
+them, :mod:`qat4.ops.w4_batch` and this module's, by the rows of x):
 
 - :func:`w4_matvec` (decode, M <= 16) and :func:`w4_matmul` (prefill), both checked against
-  :func:`w4_linear_reference`; :func:`w4_linear` picks one of the three.
-- :func:`w4_logits` / :func:`w4_argmax`: the output layer with Gemma's ``cap * tanh(z / cap)``
-  softcap fused into the GEMV epilogue; the argmax never writes the logits.
-- :func:`w4_linear_gelu`: a projection whose GELU gate runs in the epilogue (the MLP's gate/up
-  with alternating rows; the per-layer input gate times its per-layer input).
-- :func:`w4_linear_residual`: a projection feeding the residual step and the next input norm
-  (:class:`ResidualStep`); in decode the GEMV's last program runs it, so the step costs no launch.
-
-The public functions pick Triton or the reference with :func:`qat4.ops.use_triton`.
+  :func:`w4_linear_reference`.
+- :func:`w4_logits_triton` / :func:`w4_argmax_triton`: the output layer with Gemma's
+  ``cap * tanh(z / cap)`` softcap fused into the GEMV epilogue; the argmax never writes the logits.
+- :func:`w4_matvec_gelu`: a projection whose GELU gate runs in the epilogue (the MLP's gate/up
+  with alternating rows; the per-layer input gate times its per-layer input); the GEMM has the
+  same epilogues.
+- :func:`w4_matvec_residual`: a projection feeding the residual step and the next input norm
+  (:class:`ResidualStep`); the GEMV's last program runs it, so the step costs no launch.
 
 GEMV design (:func:`_matvec_kernel`): a program owns RR * TR rows and one of SPLIT_K slices of
 K; per step each thread loads one group of 32 weights of RR rows (16-byte loads) and the group's
@@ -49,7 +49,7 @@ from qat4.ops.norms import (
 )
 from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
 
-MAX_MATVEC_ROWS = 16  # w4_linear uses the GEMV up to this many rows of x
+MAX_MATVEC_ROWS = 16  # the GEMV takes at most this many rows of x
 _REFERENCE_CHUNK = 1 << 22  # dequantised weights per chunk of the references (16 MiB in fp32)
 _REFERENCE_ROWS = 16  # rows of x per matrix product of the references
 _MAX_SLOTS = 1 << 12  # split-K ticket counters per device (row blocks x row-of-x blocks)
@@ -824,62 +824,3 @@ def w4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fp32:
         _matmul_kernel[grid](*args, **tiling, GROUP_M=8, **flags,
                              num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2))
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Dispatch
-
-
-def w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ W.T -> [..., N] in x.dtype: the GEMV for up to 16 rows, else the GEMM
-    (Triton), or :func:`w4_linear_reference` when :func:`qat4.ops.use_triton` says so."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if not use_triton(x):
-        out = w4_linear_reference(x2, packed, scales)
-    elif x2.shape[0] <= MAX_MATVEC_ROWS:
-        out = w4_matvec(x2, packed, scales)
-    else:
-        out = w4_matmul(x2, packed, scales)
-    return out.reshape(*x.shape[:-1], packed.shape[0])
-
-
-def w4_linear_gelu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                   up: torch.Tensor | None = None) -> torch.Tensor:
-    """GELU-gated linear layer on x [T, K] (see :func:`w4_linear_gelu_reference`): the gate runs in
-    the epilogue of the GEMV (T <= 16) or the GEMM, or the reference when use_triton says so."""
-    if not use_triton(x):
-        return w4_linear_gelu_reference(x, packed, scales, up)
-    if x.shape[0] <= MAX_MATVEC_ROWS:
-        return w4_matvec_gelu(x, packed, scales, up)
-    return w4_matmul(x, packed, scales, gelu=True, up=up)
-
-
-def w4_linear_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                       residual: ResidualStep) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A linear layer on x [T, K] feeding a residual step (see :func:`w4_linear_residual_reference`):
-    fused into the GEMV for T <= 16; the GEMM then :func:`residual_rms_norm_triton` for more rows."""
-    if not use_triton(x):
-        return w4_linear_residual_reference(x, packed, scales, residual)
-    if x.shape[0] <= MAX_MATVEC_ROWS:
-        return w4_matvec_residual(x, packed, scales, residual)
-    y = w4_matmul(x, packed, scales)
-    return residual_rms_norm_triton(residual.h, y, residual.weight, residual.scalar, residual.next_weight, residual.eps)
-
-
-def _in_row_chunks(fn, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float) -> torch.Tensor:
-    """fn(x rows, packed, scales, softcap) over x [M, K] in chunks of at most MAX_MATVEC_ROWS rows."""
-    parts = [fn(x[r0 : r0 + MAX_MATVEC_ROWS], packed, scales, softcap) for r0 in range(0, x.shape[0], MAX_MATVEC_ROWS)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def w4_logits(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float | None = 30.0) -> torch.Tensor:
-    """Softcapped output layer: x [..., K] -> fp32 logits [..., N]. See :func:`w4_logits_reference`."""
-    fn = w4_logits_triton if use_triton(x) else w4_logits_reference
-    return _in_row_chunks(fn, x.reshape(-1, x.shape[-1]), packed, scales, softcap).reshape(*x.shape[:-1], packed.shape[0])
-
-
-def w4_argmax(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float | None = 30.0) -> torch.Tensor:
-    """Greedy token: x [..., K] -> int64 [...], the first maximum of the softcapped logits,
-    without writing them. See :func:`w4_argmax_reference`."""
-    fn = w4_argmax_triton if use_triton(x) else w4_argmax_reference
-    return _in_row_chunks(fn, x.reshape(-1, x.shape[-1]), packed, scales, softcap).reshape(x.shape[:-1])

@@ -1,0 +1,96 @@
+"""The int4 linear layers the model calls: each picks a kernel by the rows of x it multiplies.
+
+- the reference (:mod:`qat4.ops.w4_linear`'s ``*_reference``) when :func:`qat4.ops.use_triton`
+  says so (CPU tensors, ``QAT4_OPS=reference``);
+- the GEMV (:mod:`qat4.ops.w4_linear`) for at most GEMV_ROWS rows: a single-sequence decode step;
+- the decode-batch tensor-core product (:mod:`qat4.ops.w4_batch`) up to BATCH_ROWS rows: many
+  sequences decoding together;
+- the prefill GEMM (:mod:`qat4.ops.w4_linear`) beyond: prompt chunks.
+
+The boundaries come from timing the kernels at E2B's decode shapes on an H200
+(``tools/bench_w4.py --rows R``, BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qat4.ops import use_triton
+from qat4.ops.norms import residual_rms_norm_triton
+from qat4.ops.w4_batch import w4_batch_argmax, w4_batch_linear, w4_batch_linear_gelu, w4_batch_logits
+from qat4.ops.w4_linear import (
+    MAX_MATVEC_ROWS, ResidualStep, w4_argmax_reference, w4_argmax_triton, w4_linear_gelu_reference,
+    w4_linear_reference, w4_linear_residual_reference, w4_logits_reference, w4_logits_triton, w4_matmul, w4_matvec,
+    w4_matvec_gelu, w4_matvec_residual,
+)
+
+GEMV_ROWS = 4  # the GEMV up to this many rows of x
+BATCH_ROWS = 128  # the decode-batch kernel up to this many; the prefill GEMM beyond
+assert GEMV_ROWS <= MAX_MATVEC_ROWS
+
+
+def _kernel(x: torch.Tensor) -> str:
+    if not use_triton(x):
+        return "reference"
+    m = x.shape[0]
+    return "gemv" if m <= GEMV_ROWS else "batch" if m <= BATCH_ROWS else "gemm"
+
+
+def w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ W.T -> [..., N] in x.dtype. See :func:`qat4.ops.w4_linear.w4_linear_reference`."""
+    x2 = x.reshape(-1, x.shape[-1])
+    fn = {"reference": w4_linear_reference, "gemv": w4_matvec, "batch": w4_batch_linear, "gemm": w4_matmul}[_kernel(x2)]
+    return fn(x2, packed, scales).reshape(*x.shape[:-1], packed.shape[0])
+
+
+def w4_linear_gelu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                   up: torch.Tensor | None = None) -> torch.Tensor:
+    """GELU-gated linear layer on x [T, K], the gate in the kernel's epilogue. See
+    :func:`qat4.ops.w4_linear.w4_linear_gelu_reference`."""
+    kernel = _kernel(x)
+    if kernel == "gemm":
+        return w4_matmul(x, packed, scales, gelu=True, up=up)
+    fn = {"reference": w4_linear_gelu_reference, "gemv": w4_matvec_gelu, "batch": w4_batch_linear_gelu}[kernel]
+    return fn(x, packed, scales, up)
+
+
+def w4_linear_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                       residual: ResidualStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear layer on x [T, K] feeding a residual step: fused into the GEMV, else the product
+    then :func:`qat4.ops.norms.residual_rms_norm_triton`. See
+    :func:`qat4.ops.w4_linear.w4_linear_residual_reference`."""
+    kernel = _kernel(x)
+    if kernel == "reference":
+        return w4_linear_residual_reference(x, packed, scales, residual)
+    if kernel == "gemv":
+        return w4_matvec_residual(x, packed, scales, residual)
+    y = (w4_batch_linear if kernel == "batch" else w4_matmul)(x, packed, scales)
+    return residual_rms_norm_triton(residual.h, y, residual.weight, residual.scalar, residual.next_weight, residual.eps)
+
+
+def _output_layer(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float | None, reference,
+                  gemv, batch) -> torch.Tensor:
+    """The output layer of x [M, K] by rows: the reference, the GEMV (in chunks of at most
+    MAX_MATVEC_ROWS rows), or the batch kernel in chunks of at most BATCH_ROWS."""
+    kernel = _kernel(x)
+    if kernel == "reference":
+        return reference(x, packed, scales, softcap)
+    fn, rows = (gemv, GEMV_ROWS) if kernel == "gemv" else (batch, BATCH_ROWS)
+    parts = [fn(x[r0 : r0 + rows], packed, scales, softcap) for r0 in range(0, x.shape[0], rows)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def w4_logits(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float | None = 30.0) -> torch.Tensor:
+    """Softcapped output layer: x [..., K] -> fp32 logits [..., N]. See
+    :func:`qat4.ops.w4_linear.w4_logits_reference`."""
+    x2 = x.reshape(-1, x.shape[-1])
+    out = _output_layer(x2, packed, scales, softcap, w4_logits_reference, w4_logits_triton, w4_batch_logits)
+    return out.reshape(*x.shape[:-1], packed.shape[0])
+
+
+def w4_argmax(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float | None = 30.0) -> torch.Tensor:
+    """Greedy token: x [..., K] -> int64 [...], the first maximum of the softcapped logits,
+    without writing them. See :func:`qat4.ops.w4_linear.w4_argmax_reference`."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return _output_layer(x2, packed, scales, softcap, w4_argmax_reference, w4_argmax_triton,
+                         w4_batch_argmax).reshape(x.shape[:-1])
