@@ -8,10 +8,13 @@
 - the prefill GEMM (:mod:`qat4.ops.w4_linear`) beyond: prompt chunks.
 
 The boundaries come from timing the kernels at E2B's decode shapes on an H200
-(``tools/bench_w4.py --rows R``, BENCHMARKS.md).
+(``tools/bench_w4.py --rows R``, BENCHMARKS.md); ``QAT4_GEMV_ROWS=N`` moves the first one (read
+when this module is imported), e.g. to time a decode step both ways.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -24,16 +27,15 @@ from qat4.ops.w4_linear import (
     w4_matvec_gelu, w4_matvec_residual,
 )
 
-GEMV_ROWS = 4  # the GEMV up to this many rows of x
+GEMV_ROWS = int(os.environ.get("QAT4_GEMV_ROWS", "4"))  # the GEMV up to this many rows of x
 BATCH_ROWS = 128  # the decode-batch kernel up to this many; the prefill GEMM beyond
-assert GEMV_ROWS <= MAX_MATVEC_ROWS
 
 
 def _kernel(x: torch.Tensor) -> str:
     if not use_triton(x):
         return "reference"
     m = x.shape[0]
-    return "gemv" if m <= GEMV_ROWS else "batch" if m <= BATCH_ROWS else "gemm"
+    return "gemv" if m <= min(GEMV_ROWS, MAX_MATVEC_ROWS) else "batch" if m <= BATCH_ROWS else "gemm"
 
 
 def w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
