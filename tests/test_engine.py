@@ -237,7 +237,8 @@ def test_cli_generate(checkpoint, engine, capsys):
 
 def test_plan_takes_the_largest_chunk_and_the_most_sequences_that_fit(monkeypatch):
     """4096-token chunks and 64 sequences with room to spare; fewer sequences, then smaller chunks
-    as memory tightens; a clear error when not even one sequence fits; 256 on the CPU."""
+    as memory tightens; without room for the working memory, as many sequences as fit at all; a
+    clear error when the pool and decode rows do not fit; 256 on the CPU."""
     from qat4.checkpoint.synth import synthetic_model
     from qat4.engine import memory
     from qat4.engine.config import EngineConfig
@@ -257,9 +258,13 @@ def test_plan_takes_the_largest_chunk_and_the_most_sequences_that_fit(monkeypatc
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, 2 * free))
         got = memory.plan(packed, cuda, EngineConfig(max_ctx=8192))
         assert (got.max_num_seqs, got.prefill_chunk) == (seqs, chunk)
+    asked = memory.plan(packed, cuda, EngineConfig(max_ctx=8192, max_num_seqs=30))  # fits without the working memory
+    assert (asked.max_num_seqs, asked.prefill_chunk) == (30, 256)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (115 * mib, 230 * mib))
+    assert memory.plan(packed, cuda, EngineConfig(max_ctx=8192)).max_num_seqs == 5  # as many as fit at all
     with pytest.raises(Qat4Error, match="max_num_seqs"):
-        memory.plan(packed, cuda, EngineConfig(max_ctx=8192, max_num_seqs=30))  # asked for, does not fit
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (base, 2 * base))
+        memory.plan(packed, cuda, EngineConfig(max_ctx=8192, max_num_seqs=6))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (110 * mib, 220 * mib))
     with pytest.raises(Qat4Error, match="do not fit"):
         memory.plan(packed, cuda, EngineConfig(max_ctx=8192))
     assert memory.plan(packed, torch.device("cpu"), EngineConfig(max_ctx=1000)).prefill_chunk == 256

@@ -25,7 +25,7 @@ from qat4.engine.config import EngineConfig
 from qat4.engine.kv_cache import KVPool
 from qat4.engine.memory import MIB, Plan, cap_text, model_nbytes, plan
 from qat4.engine.model_runner import ModelRunner
-from qat4.engine.sampler import MIN_KEEP, SamplingParams
+from qat4.engine.sampler import SamplingParams
 from qat4.engine.scheduler import Scheduler
 from qat4.engine.sequence import Sequence
 from qat4.engine.tuning import load_tilings, save_tilings, tune_decode_tilings
@@ -132,9 +132,10 @@ class Engine:
 
     @torch.no_grad()
     def _reserve_workspace(self) -> None:
-        """Read one prompt chunk at the deepest position and capture the decode graphs (greedy and
-        Gemma's default top-k, every batch size), so the caching allocator holds their peak working
-        memory from load on. Afterwards :func:`matvec_tilings` lists the decode steps' GEMV shapes."""
+        """Read one prompt chunk at the deepest position and capture the greedy decode graph of
+        every batch size, so the caching allocator holds their peak working memory from load on
+        (a sampled batch's graph is captured when its shape first runs). Afterwards
+        :func:`matvec_tilings` lists the decode steps' GEMV shapes."""
         deep = min(self.max_ctx, self.pool.capacity_tokens)
         chunk = min(self.prefill_chunk, deep)
         probe = Sequence([0] * deep, SamplingParams(temperature=0), 0, 1, frozenset())
@@ -145,9 +146,8 @@ class Engine:
             h, _, _ = self.runner.forward_chunks([(probe, chunk)])
             self.model.argmax(h[-1:])
             forget_matvec_tilings()
-            for keep in (1, MIN_KEEP):
-                for b in self.runner.sizes:
-                    self.runner.capture(b, keep)
+            for b in self.runner.sizes:
+                self.runner.capture(b, 1)
             torch.cuda.synchronize(self.device)
         finally:
             self.pool.close_slot(probe.slot)
@@ -162,9 +162,8 @@ class Engine:
         self.drain()
         tilings, before, after = tune_decode_tilings(self.runner, (1, 1), replays)
         self.runner.graphs.clear()  # every graph holds the tilings from before
-        for keep in (1, MIN_KEEP):
-            for b in self.runner.sizes:
-                self.runner.capture(b, keep)
+        for b in self.runner.sizes:
+            self.runner.capture(b, 1)
         return before, after, save_tilings(tilings, self.device, self.dtype)
 
     @property

@@ -71,14 +71,14 @@ def pool_blocks(config: Gemma4Config, *, kv_tokens: int, max_seqs: int, prefill_
                 block_size: int) -> dict[str, int]:
     """Blocks per layer type (scratch included) of a pool holding ``kv_tokens`` full-attention
     positions, and on sliding layers the window of ``max_seqs`` decoding sequences plus one
-    step's prompt chunk (with one partly filled block per sequence)."""
+    step's prompt chunk."""
     kinds = {config.layer_types[i] for i in range(config.first_kv_shared_layer)}
     blocks = {}
     if FULL in kinds:
         blocks[FULL] = math.ceil(kv_tokens / block_size) + 1
     if SLIDING in kinds:
         per_seq = sliding_blocks_per_seq(config.sliding_window, block_size, max_ctx)
-        blocks[SLIDING] = max_seqs * (per_seq + 1) + math.ceil(prefill_chunk / block_size) + 1
+        blocks[SLIDING] = max_seqs * per_seq + math.ceil(prefill_chunk / block_size) + 1
     return blocks
 
 

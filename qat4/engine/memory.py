@@ -2,10 +2,10 @@
 
 Order of claims on the device memory (a cap's, or what the GPU has free): the model; the KV pool's
 full-attention blocks (``kv_tokens``); the sliding-window blocks of ``max_num_seqs`` sequences and
-the decode working memory of that many rows; then the prompt chunk's working memory, the largest
-of AUTO_PREFILL_CHUNKS that fits. Without an explicit ``max_num_seqs``, as many sequences as fit
-(up to the default) are planned; an explicit one that does not fit is an error, as is a model and
-full pool that leave no room for one sequence.
+the decode working memory of that many rows; then the prompt chunk's working memory and the
+autotuner's buffer, the largest of AUTO_PREFILL_CHUNKS that fits. Without an explicit
+``max_num_seqs``, as many sequences as fit with that working memory (up to the default), else as
+many as fit without it; the model, the pool and the decode rows that do not fit are an error.
 """
 
 from __future__ import annotations
@@ -110,20 +110,25 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig) -> Pla
     free = _free_nbytes(device, cap) - model_nbytes(packed, max_ctx, dtype)
     chunks = [config.prefill_chunk] if config.prefill_chunk else [c for c in AUTO_PREFILL_CHUNKS if c <= max_ctx]
     chunks = chunks or [max_ctx]
-
-    def fits(seqs: int, chunk: int) -> bool:
-        work = chunk * PREFILL_BYTES_PER_TOKEN + TUNING_RESERVE + decode_nbytes(packed, seqs)
-        return kv(seqs, chunk)[1] + work <= free
-
-    wanted = [int(config.max_num_seqs)] if config.max_num_seqs else list(range(DEFAULT_MAX_NUM_SEQS["cuda"], 0, -1))
     smallest = min(chunks)
-    seqs = next((s for s in wanted if fits(s, smallest)), None)
-    if seqs is None:
-        blocks, nbytes = kv(wanted[-1], smallest)
+
+    def needed(seqs: int, chunk: int, working: bool) -> int:
+        """Bytes of the pool and decode rows, with (``working``) the prompt chunk's working memory
+        and the autotuner's buffer, which only a load that tunes needs at once."""
+        extra = chunk * PREFILL_BYTES_PER_TOKEN + TUNING_RESERVE if working else 0
+        return kv(seqs, chunk)[1] + decode_nbytes(packed, seqs) + extra
+
+    if config.max_num_seqs:
+        seqs = int(config.max_num_seqs)
+    else:
+        wanted = range(DEFAULT_MAX_NUM_SEQS["cuda"], 0, -1)
+        seqs = next((s for s in wanted if needed(s, smallest, True) <= free), None)
+        seqs = seqs or next((s for s in wanted if needed(s, smallest, False) <= free), 1)
+    if needed(seqs, smallest, False) > free:
         raise Qat4Error(
             f"the model ({model_nbytes(packed, max_ctx, dtype) / MIB:,.0f} MiB) and a KV pool of {kv_tokens} tokens for "
-            f"{wanted[-1]} sequences ({nbytes / MIB:,.0f} MiB) with their working memory do not fit in GPU memory"
+            f"{seqs} sequences ({kv(seqs, smallest)[1] / MIB:,.0f} MiB) with their decode memory do not fit in GPU memory"
             f"{cap_text(config.memory_cap_mib)}; lower max_ctx, kv_tokens or max_num_seqs"
         )
-    chunk = next(c for c in chunks if fits(seqs, c) or c == smallest)
+    chunk = next(c for c in chunks if needed(seqs, c, True) <= free or c == smallest)
     return Plan(dtype, max_ctx, seqs, chunk, kv_tokens, kv(seqs, chunk)[0], cap)

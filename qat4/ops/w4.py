@@ -27,7 +27,7 @@ from qat4.ops.w4_linear import (
     w4_matvec_gelu, w4_matvec_residual,
 )
 
-GEMV_ROWS = int(os.environ.get("QAT4_GEMV_ROWS", "4"))  # the GEMV up to this many rows of x
+GEMV_ROWS = int(os.environ.get("QAT4_GEMV_ROWS", "2"))  # the GEMV up to this many rows of x
 BATCH_ROWS = 128  # the decode-batch kernel up to this many; the prefill GEMM beyond
 
 
