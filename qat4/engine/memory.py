@@ -64,14 +64,18 @@ def _cap_memory(device: torch.device, cap_mib: float) -> int:
 
 
 def model_nbytes(packed: PackedModel, max_ctx: int, dtype: torch.dtype) -> int:
-    """Device bytes of Gemma4(packed, ..., dtype, max_ctx) without allocating (RoPE tables at full width)."""
+    """Device bytes of Gemma4(packed, ..., dtype, max_ctx) without allocating."""
     item = torch.empty((), dtype=dtype).element_size()
     total = 0
     tensors = list(packed.tensors.values()) + ([packed.lm_head] if packed.lm_head is not None else [])
     for t in tensors:
         total += t.packed.numel() * 4 + t.scales.numel() * item if isinstance(t, PackedTensor) else t.numel() * item
     cfg = packed.config
-    total += sum(max_ctx * cfg.layer_head_dim(cfg.layer_types.index(kind)) * item for kind in set(cfg.layer_types))
+    for kind in set(cfg.layer_types):  # a cos/sin table of 2 * n_rot columns per layer type
+        rope = cfg.rope_parameters[kind]
+        half = cfg.layer_head_dim(cfg.layer_types.index(kind)) // 2
+        n_rot = int(float(rope.get("partial_rotary_factor", 1.0)) * half) if rope.get("rope_type") == "proportional" else half
+        total += max_ctx * 2 * n_rot * item
     return total
 
 
