@@ -179,9 +179,13 @@ def run(engine: Engine, model_name: str, depths: list[int], new: int, prompt: in
     device = engine.device
     g = torch.Generator().manual_seed(0)
     log("measuring read bandwidth")
-    small = memory_cap_mib is not None or device.type != "cuda"
     peak_before = _peak_mib(device)
-    bandwidth = measure_read_bandwidth(device, gib=0.25 if small else 4.0)
+    gib = 4.0
+    if device.type != "cuda":
+        gib = 0.25
+    elif memory_cap_mib is not None:  # what the cap leaves beside the engine, at most a quarter GiB
+        gib = min(0.25, max(1 / 64, (memory_cap_mib * MIB - torch.cuda.memory_reserved(device)) / 2 / (1 << 30)))
+    bandwidth = measure_read_bandwidth(device, gib=gib)
     if device.type == "cuda":  # the bandwidth buffer is the benchmark's, not the engine's: left out of the peak
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
