@@ -6,22 +6,13 @@ import copy
 import functools
 import json
 import random
-from pathlib import Path
 
 import jinja2
 import pytest
 
 from qat4.chat import Reply, ReplyStream, default_chat_template, parse_reply, render_prompt
 from qat4.errors import Qat4Error
-
-
-def _shared_dir() -> Path:
-    """The project's shared reference folder: ./shared in the checkout, else ../shared."""
-    root = Path(__file__).resolve().parents[1]
-    return next((p for p in (root / "shared", root.parent / "shared") if p.is_dir()), root.parent / "shared")
-
-
-TEMPLATE_PATH = _shared_dir() / "fixtures" / "gemma4-tokenizer" / "chat_template.jinja"
+from vocab_fixtures import CANONICAL_TEMPLATE_SHA256, sha256_of
 
 
 # ---------------------------------------------------------------------------------------------
@@ -37,7 +28,7 @@ def _raise(message):
 def _canonical() -> jinja2.Template:
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
-    return env.from_string(TEMPLATE_PATH.read_text(encoding="utf-8"))
+    return env.from_string(default_chat_template())
 
 
 def _direct(messages, tools=None, enable_thinking=False, add_generation_prompt=True) -> str:
@@ -218,7 +209,7 @@ def test_custom_template():
 
 
 def test_packaged_template_is_canonical():
-    assert default_chat_template() == TEMPLATE_PATH.read_text(encoding="utf-8")
+    assert sha256_of(default_chat_template()) == CANONICAL_TEMPLATE_SHA256
 
 
 @pytest.mark.parametrize("messages,tools,field", [
