@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from qat4.commands.model_args import DEVICES, resolve_device
 from qat4.errors import Qat4Error
 
 SYNTHETIC = "synthetic:"
@@ -26,7 +27,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-ctx", type=int, help="KV cache size in tokens (default: the deepest depth plus --new, at most the model's)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt chunk size (default: the largest of 4096..256 that fits in memory)")
-    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--device", choices=DEVICES, default="cuda", help="cuda (default) or cpu")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default: %(default)s)")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot decode tok/s against depth with the roofline")
@@ -77,9 +78,7 @@ def run(args: argparse.Namespace) -> int:
     depths = _depths(args.depths)
     if args.new < 1 or args.prompt < 1:
         raise Qat4Error("--new and --prompt must be at least 1")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise Qat4Error("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
+    device = torch.device(resolve_device(args.device))
     t0 = time.perf_counter()
     bench.progress(f"loading {args.model}")
     packed = load_packed_for_bench(args.model, device, args.seed)
