@@ -25,7 +25,7 @@ from fastapi.testclient import TestClient
 from server_harness import TINY_MAX_CTX, LiveServer, ScriptedEngine, tiny_engine, wait_until
 
 from qat4.cli import main
-from qat4.engine import Engine
+from qat4.commands import serve
 from qat4.server.app import create_app
 
 WEATHER_TOOL = {"type": "function", "function": {
@@ -440,8 +440,8 @@ def test_concurrent_requests_queue_and_all_finish():
 
 def test_serve_command_builds_the_app(monkeypatch, tmp_path):
     seen: dict = {}
-    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model, **options: seen.update(model=model, **options)
-                                                     or tiny_engine()))
+    monkeypatch.setattr(serve, "load_engine", lambda command, model, device, **options:
+                        seen.update(model=model, device=device, **options) or tiny_engine())
     monkeypatch.setattr(uvicorn.Server, "run", lambda server: seen.update(config=server.config))
     folder = tmp_path / "my-gemma"
     folder.mkdir()

@@ -28,3 +28,19 @@ def resolve_device(choice: str | None) -> str:
     if choice == "cuda" and not torch.cuda.is_available():
         raise Qat4Error("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
     return choice
+
+
+def load_engine(command: str, model: str, device: str, **options):
+    """`Engine.load` with a status line on stderr while the checkpoint's tensors are read (a 16-bit
+    checkpoint has its 4-bit grid recovered then, which takes minutes at full size on a CPU)."""
+    from qat4.checkpoint.loader import load_packed
+    from qat4.commands.progress import ProgressLine
+    from qat4.engine import Engine
+
+    line = ProgressLine()
+    try:
+        packed = load_packed(model, progress=lambda done, total, name: line.update(
+            f"qat4 {command}: reading tensor {done}/{total} ({name})"))
+    finally:
+        line.done()
+    return Engine.from_packed(packed, device, **options)

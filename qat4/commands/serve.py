@@ -11,7 +11,7 @@ from pathlib import Path
 
 import uvicorn
 
-from qat4.commands.model_args import add_model_arguments, resolve_device
+from qat4.commands.model_args import add_model_arguments, load_engine, resolve_device
 from qat4.errors import Qat4Error
 
 DEFAULT_PORT = 8100
@@ -66,7 +66,6 @@ class _Server(uvicorn.Server):
 
 def run(args: argparse.Namespace) -> int:
     from qat4.decode_tuning import pinned_tilings_note
-    from qat4.engine import Engine
     from qat4.server.app import create_app
 
     if args.max_queue < 0:
@@ -75,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"qat4 serve: warning: listening on {args.host} without --api-key; anyone who can reach it can use it",
               file=sys.stderr)
-    engine = Engine.load(args.model, device=device, max_ctx=args.max_ctx, memory_cap_mib=args.memory_cap_mib)
+    engine = load_engine("serve", args.model, device, max_ctx=args.max_ctx, memory_cap_mib=args.memory_cap_mib)
     app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue,
                      model_name=args.model_name or model_name_for(args.model))
     print(f"qat4 serve: {app.state.model_name}, context {engine.max_ctx} tokens, on http://{args.host}:{args.port}/",
