@@ -307,9 +307,10 @@ class ReplyStream:
     Content and reasoning deltas carry no markup: text that could be the start of a marker is held
     back until the next delta decides it, and surrounding whitespace of each field is trimmed
     (trailing whitespace is held until more text follows). A tool call is emitted once its closing
-    marker arrives, an invalid one once it is known to be invalid. With thinking off, a thought block is emitted as one reasoning delta when it
-    closes. If the prompt ends inside an open thought channel, feed that `<|channel>thought\\n`
-    first. `finish()` returns the same Reply `parse_reply` gives for the concatenated deltas.
+    marker arrives, an invalid one once it is known to be invalid. With thinking off, a thought
+    block is emitted as one reasoning delta when it closes. If the prompt ends inside an open
+    thought channel, feed that `<|channel>thought\\n` first. `finish()` returns the same Reply
+    `parse_reply` gives for the concatenated deltas.
     """
 
     def __init__(self, thinking: bool = False):

@@ -46,7 +46,7 @@ def _usage(done: Finished) -> dict[str, int]:
             "total_tokens": done.prompt_tokens + done.completion_tokens}
 
 
-CALL_EVENTS = ("tool_call", "invalid_tool_call")
+_CALL_EVENTS = ("tool_call", "invalid_tool_call")
 
 
 def _tool_call(event: ReplyEvent, index: int | None = None) -> dict[str, Any]:
@@ -67,7 +67,7 @@ def _parse_whole(text: str, thinking: bool) -> tuple[Reply, list[ReplyEvent]]:
     """The parsed reply and its calls, valid and invalid, in the order the model wrote them."""
     stream = ReplyStream(thinking)
     events = stream.feed(text) + stream.flush()
-    return stream.finish(), [e for e in events if e.kind in CALL_EVENTS]
+    return stream.finish(), [e for e in events if e.kind in _CALL_EVENTS]
 
 
 async def _collect(gen: Generation) -> tuple[str, Finished]:
@@ -189,7 +189,7 @@ class Completions:
                     else:
                         parsed += parser.feed(item)
                     for event in parsed:
-                        if event.kind in CALL_EVENTS:
+                        if event.kind in _CALL_EVENTS:
                             yield chunk({"tool_calls": [_tool_call(event, calls + invalid_calls)]})
                             calls += event.kind == "tool_call"
                             invalid_calls += event.kind == "invalid_tool_call"
