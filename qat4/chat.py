@@ -10,7 +10,9 @@ Reply side: the model's raw output, decoded with special tokens kept, looks like
     <|tool_call>call:NAME{city:<|"|>Paris<|"|>,days:3}<tool_call|><|tool_response>
 
 `parse_reply` splits it into content, reasoning and tool calls; `ReplyStream` does the same on text
-deltas as they are generated (`parse_reply` is a `ReplyStream` fed the whole text at once).
+deltas as they are generated (`parse_reply` is a `ReplyStream` fed the whole text at once). Markup
+never reaches content or reasoning: a call that is cut off or does not parse is reported apart, as
+an invalid tool call.
 """
 
 from __future__ import annotations
@@ -249,18 +251,23 @@ def _adapt_tool(tool: Any, where: str) -> dict[str, Any]:
 
 @dataclass
 class Reply:
-    """A parsed reply: answer text, reasoning text and tool calls `{"name", "arguments"}`."""
+    """A parsed reply: answer text, reasoning text, tool calls `{"name", "arguments"}` and invalid
+    tool calls `{"name", "arguments", "error"}`: calls cut off before their closing marker (by the
+    token cap, a stop string or the next call) or that do not parse, with `arguments` the text the
+    model wrote after the name (not JSON) and `error` saying what is wrong."""
 
     content: str | None = None
     reasoning: str | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    invalid_tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class ReplyEvent:
-    """What one `ReplyStream.feed` learned: a content or reasoning delta, or a complete tool call."""
+    """What one `ReplyStream.feed` learned: a content or reasoning delta, a complete tool call, or
+    an invalid one (in `tool_call`, shaped as in `Reply.invalid_tool_calls`)."""
 
-    kind: Literal["content", "reasoning", "tool_call"]
+    kind: Literal["content", "reasoning", "tool_call", "invalid_tool_call"]
     text: str = ""
     tool_call: dict[str, Any] | None = None
 
@@ -270,7 +277,7 @@ def parse_reply(text: str, thinking: bool = False) -> Reply:
 
     `thinking` says thinking was enabled: a thought block left unterminated is then reasoning
     (otherwise it is content). Text from the first stop marker (`<turn|>`, `<|tool_response>`,
-    `<eos>`) on is ignored. A tool call that does not parse is kept, markup included, as content.
+    `<eos>`) on is ignored. A tool call that is cut off or does not parse is an invalid tool call.
     """
     stream = ReplyStream(thinking)
     stream.feed(text)
@@ -297,13 +304,13 @@ _MARKERS = {
 class ReplyStream:
     """Incremental `parse_reply`: feed text deltas, get events as soon as they are certain.
 
-    Content and reasoning deltas carry no markup (only a tool call that does not parse becomes
-    content verbatim): text that could be the start of a marker is held back until the next delta
-    decides it, and surrounding whitespace of each field is trimmed
+    Content and reasoning deltas carry no markup: text that could be the start of a marker is held
+    back until the next delta decides it, and surrounding whitespace of each field is trimmed
     (trailing whitespace is held until more text follows). A tool call is emitted once its closing
-    marker arrives. With thinking off, a thought block is emitted as one reasoning delta when it
-    closes. If the prompt ends inside an open thought channel, feed that `<|channel>thought\\n`
-    first. `finish()` returns the same Reply `parse_reply` gives for the concatenated deltas.
+    marker arrives, an invalid one once it is known to be invalid. With thinking off, a thought
+    block is emitted as one reasoning delta when it closes. If the prompt ends inside an open
+    thought channel, feed that `<|channel>thought\\n` first. `finish()` returns the same Reply
+    `parse_reply` gives for the concatenated deltas.
     """
 
     def __init__(self, thinking: bool = False):
@@ -317,6 +324,7 @@ class ReplyStream:
         self._content = _Field()
         self._reasoning = _Field()
         self._tool_calls: list[dict[str, Any]] = []
+        self._invalid_tool_calls: list[dict[str, Any]] = []
         self._events: list[ReplyEvent] = []
 
     def feed(self, delta: str) -> list[ReplyEvent]:
@@ -332,7 +340,8 @@ class ReplyStream:
     def finish(self) -> Reply:
         """End of generation: the whole reply (held-back text included)."""
         self.flush()
-        return Reply(self._content.value, self._reasoning.value, list(self._tool_calls))
+        return Reply(self._content.value, self._reasoning.value, list(self._tool_calls),
+                     list(self._invalid_tool_calls))
 
     def _advance(self, final: bool) -> list[ReplyEvent]:
         """Consume pending text as far as it is decided; everything when `final`."""
@@ -403,11 +412,15 @@ class ReplyStream:
         self._pending = ""
 
     def _end_call(self, closed: bool) -> None:
-        """Parse the collected call; an unparsable one goes to content as the text it was."""
-        call = _parse_call(self._call)
-        if call is None:
-            raw = CALL_OPEN + self._call + (CALL_CLOSE if closed else "")
-            self._emit("content", self._content.push(raw))
+        """Parse the collected call; one that does not parse is an invalid call, named as far as it goes."""
+        try:
+            call = _CallParser(self._call).call()
+        except (ValueError, RecursionError) as exc:
+            error = (f"the call does not parse: {_reason(exc)}" if closed
+                     else f"the call ends before its closing {CALL_CLOSE}")
+            invalid = {**_name_and_arguments(self._call), "error": error}
+            self._invalid_tool_calls.append(invalid)
+            self._events.append(ReplyEvent("invalid_tool_call", tool_call=invalid))
         else:
             self._tool_calls.append(call)
             self._events.append(ReplyEvent("tool_call", tool_call=call))
@@ -454,12 +467,14 @@ def _partial_marker_length(text: str, markers: Sequence[str]) -> int:
     return 0
 
 
-def _parse_call(body: str) -> dict[str, Any] | None:
-    """`{"name", "arguments"}` from the text between `<|tool_call>` and `<tool_call|>`, None if malformed."""
-    try:
-        return _CallParser(body).call()
-    except (ValueError, RecursionError):
-        return None
+def _name_and_arguments(body: str) -> dict[str, str]:
+    """The name and the raw argument text of a call's body, `call:NAME{...`, however far it got."""
+    name, brace, arguments = body.strip().removeprefix(CALL_PREFIX).partition("{")
+    return {"name": name.strip(), "arguments": brace + arguments}
+
+
+def _reason(exc: Exception) -> str:
+    return "its values are nested too deeply" if isinstance(exc, RecursionError) else str(exc)
 
 
 class _Malformed(ValueError):

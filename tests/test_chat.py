@@ -6,22 +6,13 @@ import copy
 import functools
 import json
 import random
-from pathlib import Path
 
 import jinja2
 import pytest
 
 from qat4.chat import Reply, ReplyStream, default_chat_template, parse_reply, render_prompt
 from qat4.errors import Qat4Error
-
-
-def _shared_dir() -> Path:
-    """The project's shared reference folder: ./shared in the checkout, else ../shared."""
-    root = Path(__file__).resolve().parents[1]
-    return next((p for p in (root / "shared", root.parent / "shared") if p.is_dir()), root.parent / "shared")
-
-
-TEMPLATE_PATH = _shared_dir() / "fixtures" / "gemma4-tokenizer" / "chat_template.jinja"
+from vocab_fixtures import CANONICAL_TEMPLATE_SHA256, sha256_of
 
 
 # ---------------------------------------------------------------------------------------------
@@ -37,7 +28,7 @@ def _raise(message):
 def _canonical() -> jinja2.Template:
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
-    return env.from_string(TEMPLATE_PATH.read_text(encoding="utf-8"))
+    return env.from_string(default_chat_template())
 
 
 def _direct(messages, tools=None, enable_thinking=False, add_generation_prompt=True) -> str:
@@ -218,7 +209,7 @@ def test_custom_template():
 
 
 def test_packaged_template_is_canonical():
-    assert default_chat_template() == TEMPLATE_PATH.read_text(encoding="utf-8")
+    assert sha256_of(default_chat_template()) == CANONICAL_TEMPLATE_SHA256
 
 
 @pytest.mark.parametrize("messages,tools,field", [
@@ -283,6 +274,14 @@ ALL_ARGS = {"i": 42, "neg": -7, "f": 3.25, "nf": -0.5, "e": 1e-3, "E": -2.5e4, "
             "py": None, "s": 'a {b}, "c": d', "empty": "", "lst": [1, "x", [], {}],
             "obj": {"k": {"deep": [True, None]}}, "multi": "line 1\nline 2"}
 WEATHER_CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+UNFINISHED = "the call ends before its closing <tool_call|>"
+
+
+def _invalid(name: str, arguments: str, error: str) -> dict[str, str]:
+    """An invalid call as the parser reports it; `error` is the parser's complaint for a closed call."""
+    return {"name": name, "arguments": arguments,
+            "error": error if error == UNFINISHED else f"the call does not parse: {error}"}
+
 CALL_TEXT = f"<|tool_call>call:get_weather{{city:{D}Paris{D}}}<tool_call|>"
 
 # (raw reply, thinking, expected)
@@ -330,17 +329,28 @@ REPLIES = {
                                                     {"name": "g", "arguments": {}}])),
     "stray_close_dropped": ("a<channel|>b<tool_call|>c", False, Reply("abc")),
     "partial_marker_at_end": ("Hello <|tool", False, Reply("Hello <|tool")),
-    # Malformed calls come back verbatim as content.
-    **{f"malformed_{name}": (text, False, Reply(text)) for name, text in {
-        "unclosed_object": "<|tool_call>call:f{a:1<tool_call|>",
-        "unterminated_string": f"x <|tool_call>call:f{{a:{D}oops}}<tool_call|> y",
-        "name": "<|tool_call>call:bad name{}<tool_call|>",
-        "trailing_text": "<|tool_call>call:f{} extra<tool_call|>",
-        "missing_colon": "<|tool_call>call:f{a 1}<tool_call|>",
-        "missing_comma": "<|tool_call>call:f{a:1 b:2}<tool_call|>",
-        "bad_escape": '<|tool_call>call:f{a:"\\q"}<tool_call|>',
-        "cut_by_length": "Sure. <|tool_call>call:f{a:[1,2",
-        "too_deep": "<|tool_call>call:f{a:" + "[" * 3000 + "]" * 3000 + "}<tool_call|>",
+    # Calls that are cut off or do not parse: never content, reported as invalid calls.
+    "cut_by_length": ("Sure. <|tool_call>call:get_weather{city:" + D + "Par", False,
+                      Reply("Sure.", invalid_tool_calls=[_invalid("get_weather", "{city:" + D + "Par", UNFINISHED)])),
+    "cut_in_the_name": ("<|tool_call>call:get_wea", False, Reply(invalid_tool_calls=[_invalid("get_wea", "", UNFINISHED)])),
+    "cut_by_stop_marker": ("<|tool_call>call:f{a:[1,2<turn|>", False,
+                           Reply(invalid_tool_calls=[_invalid("f", "{a:[1,2", UNFINISHED)])),
+    "cut_by_next_call": ("<|tool_call>call:f{a:<|tool_call>call:g{}<tool_call|>", False,
+                         Reply(tool_calls=[{"name": "g", "arguments": {}}],
+                               invalid_tool_calls=[_invalid("f", "{a:", UNFINISHED)])),
+    "text_around_malformed": (f"x<|tool_call>call:f{{a:{D}oops}}<tool_call|> y", False,
+                              Reply("x y", invalid_tool_calls=[_invalid("f", f"{{a:{D}oops}}", "unterminated string")])),
+    **{f"malformed_{name}": (f"<|tool_call>{body}<tool_call|>", False,
+                             Reply(invalid_tool_calls=[_invalid(call_name, arguments, error)]))
+       for name, (body, call_name, arguments, error) in {
+        "unclosed_object": ("call:f{a:1", "f", "{a:1", "expected '}' at 10"),
+        "name": ("call:bad name{}", "bad name", "{}", "bad function name 'bad name'"),
+        "trailing_text": ("call:f{} extra", "f", "{} extra", "text after the arguments"),
+        "missing_colon": ("call:f{a 1}", "f", "{a 1}", "expected ':' at 10"),
+        "missing_comma": ("call:f{a:1 b:2}", "f", "{a:1 b:2}", "unexpected '1 b:2' at 14"),
+        "bad_escape": ('call:f{a:"\\q"}', "f", '{a:"\\q"}', "Invalid \\escape: line 1 column 2 (char 1)"),
+        "too_deep": ("call:f{a:" + "[" * 3000 + "]" * 3000 + "}", "f", "{a:" + "[" * 3000 + "]" * 3000 + "}",
+                     "its values are nested too deeply"),
     }.items()},
 }
 
@@ -348,7 +358,9 @@ REPLIES = {
 @pytest.mark.parametrize("name", REPLIES)
 def test_parse_reply(name):
     text, thinking, expected = REPLIES[name]
-    assert parse_reply(text, thinking=thinking) == expected
+    reply = parse_reply(text, thinking=thinking)
+    assert reply.invalid_tool_calls == expected.invalid_tool_calls  # the parser's message, shown first
+    assert reply == expected
 
 
 def _stream(chunks, thinking):
@@ -356,8 +368,8 @@ def _stream(chunks, thinking):
     stream = ReplyStream(thinking)
     events = [event for chunk in chunks for event in stream.feed(chunk)] + stream.flush()
     text = {kind: "".join(e.text for e in events if e.kind == kind) for kind in ("content", "reasoning")}
-    calls = [e.tool_call for e in events if e.kind == "tool_call"]
-    return stream.finish(), text["content"], text["reasoning"], calls
+    calls = {kind: [e.tool_call for e in events if e.kind == kind] for kind in ("tool_call", "invalid_tool_call")}
+    return stream.finish(), text["content"], text["reasoning"], calls["tool_call"], calls["invalid_tool_call"]
 
 
 @pytest.mark.parametrize("name", REPLIES)
@@ -367,10 +379,10 @@ def test_stream_matches_parse_reply(name):
     cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 5))) if len(text) > 1 else []
     random_chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     for chunks in (list(text), random_chunks, [text]):
-        reply, content, reasoning, calls = _stream(chunks, thinking)
+        reply, content, reasoning, calls, invalid_calls = _stream(chunks, thinking)
         assert reply == expected
-        streamed = (content or None, reasoning or None, calls)
-        assert streamed == (expected.content, expected.reasoning, expected.tool_calls)
+        streamed = (content or None, reasoning or None, calls, invalid_calls)
+        assert streamed == (expected.content, expected.reasoning, expected.tool_calls, expected.invalid_tool_calls)
 
 
 def test_stream_holds_partial_markers():

@@ -7,6 +7,7 @@ the tokenizer (the real Gemma 4 vocabulary) and generation_config all come from 
 
 import bisect
 import itertools
+import re
 
 import pytest
 import torch
@@ -229,6 +230,7 @@ def test_cli_generate(checkpoint, engine, capsys):
     out, err = capsys.readouterr()
     assert out == expected + "\n"
     assert "prompt tokens" in err and "tok/s" in err
+    assert re.search(r"^qat4 generate: reading tensor (\d+)/\1 \(", err, re.M)  # the load shows its progress
     assert main(["generate", "--model", str(checkpoint), "--prompt", PROMPT, "--chat", "--max-new", "2",
                  "--temperature", "0"]) == 0
     assert main(["generate", "--model", str(checkpoint), "--prompt", PROMPT, "--max-new", "5000"]) == 1

@@ -27,16 +27,9 @@ from qat4.checkpoint.synth import synthetic_aux, synthetic_tensors
 from qat4.config import E2B, TINY
 from qat4.errors import Qat4Error
 from qat4.tokenizer import Tokenizer
+from vocab_fixtures import VOCAB_GGUF, official_vectors
 
 Q4_0 = GGMLQuantizationType.Q4_0
-
-
-def _shared_dir() -> Path:
-    root = Path(__file__).resolve().parents[1]
-    return next((p for p in (root / "shared", root.parent / "shared") if p.is_dir()), root.parent / "shared")
-
-
-FIXTURES = _shared_dir() / "fixtures" / "gemma4-tokenizer"
 
 
 def random_packed(rows: int, cols: int, seed: int, step_dtype=torch.float16) -> tuple[torch.Tensor, PackedTensor]:
@@ -263,13 +256,13 @@ def test_untied_output_layer_round_trips_as_output_weight(tmp_path):
 
 def test_tokenizer_of_a_written_gguf_matches_llama_cpp_vocabulary(tmp_path):
     path = write_gguf(tmp_path / "tiny.gguf", TINY, synthetic_tensors(TINY, 0), synthetic_aux())
-    mine, theirs = GGUFFile(path), GGUFFile(FIXTURES / "ggml-vocab-gemma-4.gguf")
+    mine, theirs = GGUFFile(path), GGUFFile(VOCAB_GGUF)
     for key in ("tokens", "merges", "token_type", "scores", "bos_token_id", "eos_token_id", "unknown_token_id",
                 "padding_token_id", "mask_token_id", "add_bos_token", "add_space_prefix", "model"):
         assert mine.get(f"tokenizer.ggml.{key}") == theirs.get(f"tokenizer.ggml.{key}"), key
     metadata = {k: mine.get(k) for k in mine.keys() if k.startswith("tokenizer.")}
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
-    texts = (FIXTURES / "ggml-vocab-gemma-4.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
-    ids = (FIXTURES / "ggml-vocab-gemma-4.gguf.out").read_text(encoding="utf-8").splitlines()
+    vectors = official_vectors()
     for i in (0, 5, 11, 23, 37, 45):
-        assert tokenizer.encode(texts[i]) == [int(t) for t in ids[i].split()], texts[i]
+        text, ids = vectors[i]
+        assert tokenizer.encode(text) == ids, text

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
+from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
 
+from qat4.checkpoint import hub
 from qat4.checkpoint.compressed_tensors import write_ct
 from qat4.checkpoint.hub import resolve
 from qat4.checkpoint.loader import load_packed
 from qat4.checkpoint.source import AuxFiles
 from qat4.checkpoint.synth import synthetic_model
+from qat4.cli import main
 from qat4.config import TINY
 from qat4.errors import Qat4Error
 
@@ -59,8 +63,26 @@ def test_offline_and_not_cached(offline_home):
     with pytest.raises(Qat4Error) as info:
         resolve("google/gemma-4-E2B-it")
     message = str(info.value)
-    assert "google/gemma-4-E2B-it" in message and "local Hugging Face cache" in message and "HF_HUB_OFFLINE" in message
-    assert "\n" not in message
+    assert message == ("there is no folder or file google/gemma-4-E2B-it, and no model google/gemma-4-E2B-it is in "
+                       "the local Hugging Face cache (HF_HUB_OFFLINE is set, so the Hub was not asked)")
+
+
+@pytest.mark.parametrize("hub_error, hub_part", [
+    (RepositoryNotFoundError("404", response=httpx.Response(404, request=httpx.Request("GET", "https://x"))),
+     "no model nosuchdir is in the local Hugging Face cache or on the Hub (or it needs a token that is not set)"),
+    (ConnectionError("offline"), "no model nosuchdir is in the local Hugging Face cache; the Hub is unreachable"),
+])
+def test_mistyped_folder_says_there_is_no_such_folder(hub_error, hub_part, offline_home, monkeypatch, capsys):
+    """A name that is neither a path nor a cached model: the folder is named missing before the Hub is."""
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+
+    def snapshot(model_id, local_only):
+        raise LocalEntryNotFoundError("not cached") if local_only else hub_error
+
+    monkeypatch.setattr(hub, "_snapshot", snapshot)
+    assert main(["generate", "--model", "nosuchdir", "--prompt", "hi", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("qat4 generate: there is no folder or file nosuchdir, and " + hub_part) and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("path", ["./no/such/folder", "/no/such/folder", "~/no-such-qat4-folder/x/y"])

@@ -22,7 +22,7 @@ from qat4.checkpoint.packing import PackedTensor
 from qat4.checkpoint.repack import repack
 from qat4.checkpoint.safetensors_io import SafetensorsWriter
 from qat4.checkpoint.synth import synthetic_tensors
-from qat4.checkpoint.verify import compare
+from qat4.checkpoint.verify import Comparison, compare
 from qat4.cli import main
 from qat4.errors import Qat4Error
 
@@ -36,11 +36,12 @@ def bf16(tmp_path_factory) -> Path:
     return write_small(tmp_path_factory.mktemp("src") / "bf16", "qat-bf16")
 
 
-def assert_same_codes(a: Path, b: Path) -> None:
+def assert_same_codes(a: Path, b: Path) -> Comparison:
     result = compare(open_checkpoint(a), open_checkpoint(b))
     assert not result.problems
     assert result.total.int4_codes_disagreeing == 0 and result.total.int4_codes > 2_000_000
     assert result.total.elements_differing == 0  # synthetic steps are exact in bf16 and fp16 alike
+    return result
 
 
 def leftovers(folder: Path, *keep: str) -> list[str]:
@@ -54,10 +55,11 @@ def test_round_trips_between_all_formats_keep_every_code(bf16, tmp_path):
     for step, (fmt, to) in enumerate(chain):
         out = tmp_path / f"{step}-{OUT_NAME[to]}"
         result = repack(src, out, to)
-        assert result.out == out and result.tensors == 163 and result.bytes > 0
+        assert result.out == out and result.bytes > 0
+        assert result.tensors == (164 if to == "ct-emb4" else 163)  # emb4 holds an lm_head copy
         written = open_checkpoint(out)
         assert open_checkpoint(src).format == fmt and written.format == to
-        assert_same_codes(bf16, out)
+        assert assert_same_codes(bf16, out).total.tensors == result.tensors  # verify counts what repack wrote
         src = out
     emb4 = open_checkpoint(tmp_path / "1-emb4")
     assert "lm_head" in emb4.names() and emb4.config.tie_word_embeddings is False
@@ -260,7 +262,7 @@ def test_cli_verify_exit_codes_and_json(bf16, tmp_path, capsys):
     other = write_small(tmp_path / "other.gguf", "gguf", seed=1)
     assert main(["verify", str(bf16), str(same)]) == 0
     table = capsys.readouterr().out
-    assert "identical int4 codes" in table and "embed_tokens_per_layer" in table and "total" in table
+    assert table.endswith("\nidentical int4 codes\n") and "embed_tokens_per_layer" in table and "total" in table
     assert main(["verify", str(same), str(other), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["identical_codes"] is False
@@ -270,6 +272,10 @@ def test_cli_verify_exit_codes_and_json(bf16, tmp_path, capsys):
 
 def test_cli_verify_counts_recovered_values_and_missing_tensors(bf16, tmp_path, capsys):
     emb4 = repack(bf16, tmp_path / "emb4", "ct-emb4").out
+    assert main(["verify", str(bf16), str(emb4)]) == 0  # the same codes; emb4 unties the output layer
+    *_, note, verdict = capsys.readouterr().out.splitlines()
+    assert note == "config field tie_word_embeddings differs: True in A, False in B"
+    assert verdict == "identical int4 codes, but the configs differ (1 field, above)"
     assert main(["verify", str(bf16), str(emb4), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["groups"]["embed_tokens"]["exact_share_a"] == 1.0 and report["groups"]["embed_tokens"]["exact_share_b"] is None

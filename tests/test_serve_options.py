@@ -18,7 +18,7 @@ from qat4.server.schemas import CompletionRequest, parse_body
 
 
 def test_serve_builds_a_synthetic_model_with_the_shipped_tokenizer():
-    engine = load_engine("synthetic:tiny", "cpu", max_ctx=64)
+    engine = load_engine("serve", "synthetic:tiny", "cpu", max_ctx=64)
     assert engine.config == TINY and engine.max_ctx == 64
     assert engine.tokenizer.encode("Hello world") == [9259, 1902]
     assert "<|turn>" in engine.tokenizer.chat_template

@@ -25,7 +25,7 @@ from fastapi.testclient import TestClient
 from server_harness import TINY_MAX_CTX, LiveServer, ScriptedEngine, tiny_engine, wait_until
 
 from qat4.cli import main
-from qat4.engine import Engine
+from qat4.commands import serve
 from qat4.server.app import create_app
 
 WEATHER_TOOL = {"type": "function", "function": {
@@ -272,7 +272,8 @@ def test_thinking_switches(scripted):
     resp = client.chat.completions.create(model="m", messages=hi)
     assert "<|think|>" not in engine.prompt_text()
     assert resp.choices[0].message.content == "Hello there!"
-    assert not resp.choices[0].message.model_extra.get("reasoning_content")
+    assert "reasoning_content" in resp.choices[0].message.model_extra  # a client may read it unguarded
+    assert resp.choices[0].message.model_extra["reasoning_content"] is None
     client.chat.completions.create(model="m", messages=hi, reasoning_effort="low")
     assert "<|think|>" in engine.prompt_text()
     client.chat.completions.create(model="m", messages=hi, reasoning_effort="none")
@@ -292,6 +293,25 @@ def test_named_tool_choice_is_prefilled(scripted, stream):
         (call,) = resp.choices[0].message.tool_calls
     assert engine.prompt_text().endswith("<|turn>model\n<|tool_call>call:get_weather{")
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome"}
+
+
+def test_forced_tool_call_cut_by_max_tokens_is_reported_unfinished(scripted):
+    """No markup in content; the partial call in tool_calls with the text written so far (not JSON,
+    so LangChain files it under invalid_tool_calls); finish_reason length. Streamed and whole agree."""
+    scripted.engine.reply = 'city:<|"|>Rome<|"|>}<tool_call|><|tool_response>'
+    args = dict(model="m", messages=[QUESTION], tools=[WEATHER_TOOL], max_tokens=4,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    client = openai_client(scripted)
+    whole = client.chat.completions.create(**args).choices[0]
+    assert whole.finish_reason == "length" and whole.message.content is None
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == '{city:<|"|>Rome'
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    deltas = [c.choices[0].delta for c in chunks]
+    assert not any(d.content for d in deltas)
+    (streamed,) = [tc for d in deltas for tc in d.tool_calls or []]
+    assert (streamed.index, streamed.function.name, streamed.function.arguments) == (0, "get_weather", '{city:<|"|>Rome')
+    assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_required_and_none_tool_choice(scripted):
@@ -421,8 +441,8 @@ def test_concurrent_requests_queue_and_all_finish():
 
 def test_serve_command_builds_the_app(monkeypatch, tmp_path):
     seen: dict = {}
-    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model, **options: seen.update(model=model, **options)
-                                                     or tiny_engine()))
+    monkeypatch.setattr(serve, "load_engine", lambda command, model, device, **options:
+                        seen.update(model=model, device=device, **options) or tiny_engine())
     monkeypatch.setattr(uvicorn.Server, "run", lambda server: seen.update(config=server.config))
     folder = tmp_path / "my-gemma"
     folder.mkdir()

@@ -27,8 +27,7 @@ from qat4.checkpoint.synth import (
     write_synthetic,
 )
 from qat4.config import TINY
-
-VOCAB_FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "gemma4-tokenizer" / "ggml-vocab-gemma-4.gguf"
+from vocab_fixtures import CANONICAL_TEMPLATE_SHA256, official_vectors, sha256_of
 
 
 def qat4_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -112,16 +111,14 @@ def test_dense_values_recover_to_the_same_levels_and_steps(tiny):
 def test_shipped_tokenizer_encodes_the_reference_strings():
     data = resources.files("qat4") / "data" / "tokenizer.json.gz"
     tok = tokenizers.Tokenizer.from_str(gzip.decompress(data.read_bytes()).decode())
-    texts = VOCAB_FIXTURE.with_suffix(".gguf.inp").read_text().split("\n__ggml_vocab_test__\n")
-    expected = VOCAB_FIXTURE.with_suffix(".gguf.out").read_text().split("\n")
     assert tok.get_vocab_size() == 262_144
-    for text, ids in zip(texts, expected):
-        assert tok.encode(text, add_special_tokens=False).ids == [int(i) for i in ids.split()], repr(text)
+    for text, ids in official_vectors():
+        assert tok.encode(text, add_special_tokens=False).ids == ids, repr(text)
 
 
 def test_synthetic_aux():
     aux = synthetic_aux()
-    assert aux.chat_template == (VOCAB_FIXTURE.parent / "chat_template.jinja").read_text()
+    assert sha256_of(aux.chat_template) == CANONICAL_TEMPLATE_SHA256
     assert aux.generation_config == GENERATION_CONFIG
     assert json.loads(aux.extra["tokenizer_config.json"])["bos_token"] == "<bos>"
 

@@ -15,17 +15,8 @@ import pytest
 from qat4.chat import render_prompt
 from qat4.errors import Qat4Error
 from qat4.tokenizer import Tokenizer, build_tokenizer_json, load_tokenizer
-
-
-def _shared_dir() -> Path:
-    """The project's shared reference folder: ./shared in the checkout, else ../shared."""
-    root = Path(__file__).resolve().parents[1]
-    return next((p for p in (root / "shared", root.parent / "shared") if p.is_dir()), root.parent / "shared")
-
-
-FIXTURES = _shared_dir() / "fixtures" / "gemma4-tokenizer"
-GGUF = FIXTURES / "ggml-vocab-gemma-4.gguf"
-SEPARATOR = "\n__ggml_vocab_test__\n"
+from vocab_fixtures import VOCAB_GGUF as GGUF
+from vocab_fixtures import official_vectors
 
 # §7.1 / §12 of the spec: token -> id in the real vocabulary.
 SPECIAL_IDS = {
@@ -38,15 +29,7 @@ USER_DEFINED = ("<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_respo
                 "<channel|>")
 
 
-def _vectors() -> list[tuple[str, list[int]]]:
-    """The official (text, ids) pairs: texts separated by a marker line, one line of ids each."""
-    texts = (FIXTURES / "ggml-vocab-gemma-4.gguf.inp").read_text(encoding="utf-8").split(SEPARATOR)
-    lines = (FIXTURES / "ggml-vocab-gemma-4.gguf.out").read_text(encoding="utf-8").removesuffix("\n").split("\n")
-    assert len(texts) == len(lines) == 46
-    return [(text, [int(t) for t in line.split()]) for text, line in zip(texts, lines)]
-
-
-VECTORS = _vectors()
+VECTORS = official_vectors()
 
 
 @pytest.fixture(scope="session")

@@ -45,21 +45,21 @@ def resolve(path_or_id: str | Path) -> Path:
         validate_repo_id(model_id)
     except HFValidationError:
         raise Qat4Error(f"{model_id} does not exist") from None
+    missing = f"there is no folder or file {model_id}, and"
     try:
         return _snapshot(model_id, local_only=True)
     except LocalEntryNotFoundError:
         if hub_offline():
-            raise Qat4Error(
-                f"{model_id} is neither a local path nor a model in the local Hugging Face cache, and HF_HUB_OFFLINE is set"
-            ) from None
+            raise Qat4Error(f"{missing} no model {model_id} is in the local Hugging Face cache "
+                            "(HF_HUB_OFFLINE is set, so the Hub was not asked)") from None
     try:
         return _snapshot(model_id, local_only=False)
     except RepositoryNotFoundError:
-        raise Qat4Error(f"model {model_id} was not found on the Hugging Face Hub, or it needs a token that is not set") from None
+        raise Qat4Error(f"{missing} no model {model_id} is in the local Hugging Face cache or on the Hub "
+                        "(or it needs a token that is not set)") from None
     except OSError as exc:
-        raise Qat4Error(
-            f"model {model_id} is not in the local Hugging Face cache and the Hub is unreachable ({type(exc).__name__})"
-        ) from None
+        raise Qat4Error(f"{missing} no model {model_id} is in the local Hugging Face cache; "
+                        f"the Hub is unreachable ({type(exc).__name__})") from None
 
 
 def _snapshot(model_id: str, local_only: bool) -> Path:

@@ -106,14 +106,14 @@ def streamed(shape: tuple[int, int]) -> bool:
 
 
 def pack_levels(levels: torch.Tensor) -> torch.Tensor:
-    """int levels [rows, cols] in -8..7 -> int32 words [rows, cols / 8]."""
+    """int levels [rows, cols] in -8..7 -> int32 words [rows, cols / 8].
+
+    Codes pair up into bytes (even column in the low nibble), and each four bytes are one word read
+    in the machine's (little-endian) byte order: column 8j + i lands in bits 4i..4i+3 of word j.
+    """
     rows, cols = levels.shape
-    codes = (levels.to(torch.int32) + 8).reshape(rows, cols // PER_WORD, PER_WORD)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=levels.device)
-    # Bits 28..31 of nibble 7 overflow int32's sign; summing shifted codes in int64 then
-    # narrowing keeps the exact bit pattern.
-    words = (codes.to(torch.int64) << shifts.to(torch.int64)).sum(dim=-1)
-    return (words - ((words >> 31) << 32)).to(torch.int32)
+    codes = (levels + 8).to(torch.uint8).reshape(rows, cols // 2, 2)
+    return (codes[..., 0] | (codes[..., 1] << 4)).view(torch.int32)
 
 
 def unpack_levels(packed: torch.Tensor) -> torch.Tensor:
@@ -186,9 +186,16 @@ _PROBE = 4  # values per group tested against all eight trial steps before the f
 
 def _fits(w: torch.Tensor, trial: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
     """Whether step `trial` [..., k, 1] reproduces every value of w [..., k, n] within tol on
-    levels -8..7 -> bool [..., k, 1]."""
+    levels -8..7 -> bool [..., k, 1].
+
+    Every trial step is at least amax / 8 (or 0 for an all-zero group), so |w / trial| <= 8 and
+    no level falls below -8: only level 8 needs excluding. Both bounds are taken as excesses whose
+    maximum over the group must not be positive (x - y <= 0 exactly when x <= y), which is several
+    times faster than comparing and then reducing bools over a short last dimension.
+    """
     q = torch.round(w / torch.where(trial == 0, 1.0, trial))
-    return ((q >= -8) & (q <= 7) & ((w - q * trial).abs() <= tol)).all(dim=-1, keepdim=True)
+    excess = torch.maximum((w - q * trial).abs_().sub_(tol), q.sub_(7))
+    return excess.amax(dim=-1, keepdim=True) <= 0
 
 
 def _first_fitting_step(w: torch.Tensor, amax: torch.Tensor, tol: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,13 +247,17 @@ def _recover_block(block: torch.Tensor, name: str, row0: int, scale_dtype: torch
     refined = torch.where(denom > 0, (q * w).sum(-1, keepdim=True) / torch.where(denom > 0, denom, 1.0), 0.0)
     stored = refined.to(scale_dtype)
     stored_f = stored.to(torch.float32)
-    levels = torch.where(stored_f == 0, 0.0, torch.round(w / torch.where(stored_f == 0, 1.0, stored_f)))
-    if bool(((levels < -8) | (levels > 7)).any()):
+    safe_stored = torch.where(stored_f == 0, 1.0, stored_f)
+    # A step stores as 0 only for an all-zero group or one so small (under 2^-24) that its values
+    # round to level 0 over a step of 1 too.
+    levels = torch.round(w / safe_stored)
+    lowest, highest = torch.aminmax(levels)
+    if lowest < -8 or highest > 7:
         flat = int(((levels < -8) | (levels > 7)).any(-1).reshape(-1).nonzero()[0])
         row, group = divmod(flat, cols // GROUP)
         raise Qat4Error(f"tensor {name} row {row0 + row}, group {group} needs a level outside -8..7 once its step is stored as {scale_dtype}")
     recon = levels * stored_f
     exact = (recon.to(block.dtype) == block.reshape(rows, -1, GROUP)).sum()
-    worst = ((recon - w).abs() / torch.where(stored_f == 0, 1.0, stored_f)).max()
+    worst = recon.sub_(w).abs_().div_(safe_stored).max()
     report = GridReport(name, elements=rows * cols, groups=rows * cols // GROUP, exact=int(exact), worst_ulp_steps=float(worst))
     return levels.to(torch.int8).reshape(rows, cols), stored.reshape(rows, cols // GROUP), report

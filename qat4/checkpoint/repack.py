@@ -47,7 +47,8 @@ Progress = Callable[[int, int, str, int], None]  # (tensors written, tensors in 
 
 @dataclass
 class RepackResult:
-    """What a repack wrote: the output path, its tensor count and size, and the source's grid fidelity."""
+    """What a repack wrote: the output path, its tensor count (the text tensors it holds, an lm_head
+    copy included, as `verify` counts them), size, and the source's grid fidelity."""
 
     out: Path
     format: str
@@ -179,11 +180,12 @@ def sample_names(names: list[str], config: Gemma4Config, step_dtype: Callable[[s
     return {n for n in names if n in picks or n == "embed_tokens" or n not in matrices}
 
 
-def check_written(path: Path, source: CheckpointSource, names: list[str], fingerprints: dict[str, tuple[str, str]]) -> None:
+def check_written(path: Path, source: CheckpointSource, names: list[str], fingerprints: dict[str, tuple[str, str]]) -> int:
     """Open the written checkpoint and compare it with what was read from the source: model
     config, tensor names, and the fingerprints of the sampled tensors (an lm_head the output
     adds against embed_tokens). Steps of a matrix the output stores dense are re-recovered from
-    16-bit values, so there only the codes must match. Raises Qat4Error at the first difference."""
+    16-bit values, so there only the codes must match. Raises Qat4Error at the first difference;
+    returns how many text tensors the written checkpoint holds."""
     written = open_checkpoint(path)
     if not _same_model(written.config, source.config):
         raise Qat4Error(f"the written {path} reads back with another model config than {source.location}")
@@ -198,6 +200,7 @@ def check_written(path: Path, source: CheckpointSource, names: list[str], finger
         got_codes, got_steps = fingerprint(written.read_blocks(name))
         if got_codes != codes or (got_steps != steps and name not in written.grid_reports()):
             raise Qat4Error(f"tensor {name} of the written {path} does not read back equal to {source.location}")
+    return len(got)
 
 
 def _move_into_place(built: Path, out: Path, stage: Path) -> None:
@@ -273,7 +276,7 @@ def repack(
             write_ct(built, source.config, tensors, aux, emb4=to == "ct-emb4", scale_dtype=scale_dtype,
                      text_only=text_only or not multimodal)
         size = _disk_bytes(stage)
-        check_written(built, source, names, tensors.fingerprints)
+        written = check_written(built, source, names, tensors.fingerprints)
         _move_into_place(built, out, stage)
     except OSError as exc:
         raise Qat4Error(f"cannot write {out}: {exc.strerror or exc}") from None
@@ -284,4 +287,4 @@ def repack(
     for report in source.grid_reports().values():
         recovered = recovered or GridReport("recovered")
         recovered.add(report)
-    return RepackResult(out, to, len(names), size, recovered)
+    return RepackResult(out, to, written, size, recovered)

@@ -217,8 +217,16 @@ def format_comparison(result: Comparison) -> str:
     lines = [f"A: {result.a} ({result.format_a})", f"B: {result.b} ({result.format_b})", ""]
     lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines += [""] + result.notes + result.problems
-    verdict = "identical int4 codes" if result.identical_codes else "int4 codes differ"
-    return "\n".join(lines + [verdict])
+    return "\n".join(lines + [_verdict(result)])
+
+
+def _verdict(result: Comparison) -> str:
+    """The last line: whether the codes agree, and that the configs differ when they do."""
+    codes = "identical int4 codes" if result.identical_codes else "int4 codes differ"
+    if not result.notes:
+        return codes
+    fields = "1 field" if len(result.notes) == 1 else f"{len(result.notes)} fields"
+    return f"{codes}, but the configs differ ({fields}, above)"
 
 
 def _share(report: GridReport | None) -> str:

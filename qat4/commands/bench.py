@@ -10,6 +10,7 @@ import sys
 import time
 from collections import Counter
 
+from qat4.commands.model_args import DEVICES, resolve_device
 from qat4.errors import Qat4Error
 
 SYNTHETIC = "synthetic:"
@@ -40,7 +41,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-ctx", type=int, help="KV cache size in tokens (default: the deepest depth plus --new, at most the model's)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt chunk size (default: the largest of 4096..256 that fits in memory)")
-    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--device", choices=DEVICES, default="cuda", help="cuda (default) or cpu")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default: %(default)s)")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot decode tok/s against depth with the roofline")
@@ -77,7 +78,7 @@ def _add_serve_parser(modes) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("QAT4_API_KEY"), metavar="KEY",
                    help="sent as 'Authorization: Bearer KEY', and given to the qat4 serve started (default: $QAT4_API_KEY)")
-    p.add_argument("--device", choices=("cuda", "cpu"), help="where the qat4 serve started runs (default: its own)")
+    p.add_argument("--device", choices=DEVICES, help="where the qat4 serve started runs (default: its own)")
     p.add_argument("--server-args", default="", metavar="ARGS",
                    help='more flags for the qat4 serve started, as one string: --server-args="--max-ctx 4096"')
     p.add_argument("--json", metavar="FILE", help="write every figure and the parameters as JSON")
@@ -133,9 +134,7 @@ def run(args: argparse.Namespace) -> int:
     batches = _int_list(args.batch, "--batch", 1, "numbers of sequences of at least 1") if args.batch else []
     if args.new < 1 or args.prompt < 1 or args.batch_context < 1:
         raise Qat4Error("--new, --prompt and --batch-context must be at least 1")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise Qat4Error("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
+    device = torch.device(resolve_device(args.device))
     t0 = time.perf_counter()
     bench.progress(f"loading {args.model}")
     packed = load_packed_for_bench(args.model, device, args.seed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from qat4.commands.model_args import add_model_arguments, resolve_device
+from qat4.commands.model_args import add_model_arguments, load_engine, resolve_device
 from qat4.errors import Qat4Error
 
 
@@ -27,12 +27,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qat4.engine import Engine
-
+    if args.max_new < 1:
+        raise Qat4Error(f"--max-new is {args.max_new}; it must be at least 1")
+    device = resolve_device(args.device)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt:
         raise Qat4Error("the prompt is empty; pass --prompt TEXT or pipe text on standard input")
-    engine = Engine.load(args.model, device=resolve_device(args.device), max_ctx=args.max_ctx)
+    engine = load_engine("generate", args.model, device, max_ctx=args.max_ctx)
     if args.chat:
         from qat4.chat import render_prompt
 

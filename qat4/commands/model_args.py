@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from qat4.errors import Qat4Error
+
 if TYPE_CHECKING:
     from qat4.engine import Engine
     from qat4.tokenizer import Tokenizer
 
 MAX_CTX_DEFAULT = 131_072
+DEVICES = ("cuda", "cpu")
 
 
 def add_model_arguments(p: argparse.ArgumentParser, *, synthetic: bool = False) -> None:
@@ -18,18 +21,21 @@ def add_model_arguments(p: argparse.ArgumentParser, *, synthetic: bool = False) 
     if synthetic:
         what += "; synthetic:e2b or synthetic:tiny builds random on-grid weights in memory (seed 0)"
     p.add_argument("--model", required=True, metavar="PATH|ID", help=what)
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--device", choices=DEVICES, default=None, help="default: cuda when available, else cpu")
     p.add_argument("--max-ctx", type=int, default=None, metavar="N",
                    help=f"context length in tokens, prompt plus reply (default: the model's, at most {MAX_CTX_DEFAULT})")
 
 
 def resolve_device(choice: str | None) -> str:
-    """--device as given, else cuda when a GPU is visible, else cpu."""
-    if choice:
-        return choice
+    """--device as given, else cuda when a GPU is visible, else cpu; --device cuda without a GPU
+    is refused here, before anything loads."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise Qat4Error("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
+    return choice
 
 
 def synthetic_tokenizer() -> Tokenizer:
@@ -43,17 +49,29 @@ def synthetic_tokenizer() -> Tokenizer:
     return Tokenizer(tokenizers.Tokenizer.from_str(aux.tokenizer_json), aux.chat_template)
 
 
-def load_engine(model: str, device: str, **options) -> Engine:
-    """The Engine for --model with EngineConfig ``options``: a checkpoint read from disk or the
-    Hub, or for synthetic:PRESET the random on-grid weights of that preset (seed 0) built in memory
-    on `device`, which takes seconds where writing a full-size checkpoint first would take minutes,
-    with the shipped tokenizer."""
-    from qat4.commands.bench import SYNTHETIC, load_packed_for_bench
-    from qat4.engine import Engine
+def load_engine(command: str, model: str, device: str, **options) -> Engine:
+    """The Engine for --model with EngineConfig ``options``.
 
-    if not model.startswith(SYNTHETIC):
-        return Engine.load(model, device=device, **options)
+    A checkpoint from disk or the Hub is read with a status line on stderr naming each tensor (a
+    16-bit checkpoint has its 4-bit grid recovered then, which takes minutes at full size on a
+    CPU). synthetic:PRESET builds that preset's random on-grid weights (seed 0) in memory on
+    `device`, which takes seconds where writing a full-size checkpoint first would take minutes,
+    with the shipped tokenizer.
+    """
     import torch
 
-    packed = load_packed_for_bench(model, torch.device(device), seed=0)
-    return Engine.from_packed(packed, device, tokenizer=synthetic_tokenizer(), **options)
+    from qat4.checkpoint.loader import load_packed
+    from qat4.commands.bench import SYNTHETIC, load_packed_for_bench
+    from qat4.commands.progress import ProgressLine
+    from qat4.engine import Engine
+
+    if model.startswith(SYNTHETIC):
+        packed = load_packed_for_bench(model, torch.device(device), seed=0)
+        return Engine.from_packed(packed, device, tokenizer=synthetic_tokenizer(), **options)
+    line = ProgressLine()
+    try:
+        packed = load_packed(model, progress=lambda done, total, name: line.update(
+            f"qat4 {command}: reading tensor {done}/{total} ({name})"))
+    finally:
+        line.done()
+    return Engine.from_packed(packed, device, **options)

@@ -74,11 +74,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_queue < 0:
         raise Qat4Error(f"--max-queue must be >= 0, got {args.max_queue}")
+    device = resolve_device(args.device)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"qat4 serve: warning: listening on {args.host} without --api-key; anyone who can reach it can use it",
               file=sys.stderr)
-    engine = load_engine(args.model, resolve_device(args.device), max_ctx=args.max_ctx,
-                         memory_cap_mib=args.memory_cap_mib, max_num_seqs=args.max_num_seqs, kv_tokens=args.kv_tokens)
+    engine = load_engine("serve", args.model, device, max_ctx=args.max_ctx, memory_cap_mib=args.memory_cap_mib,
+                         max_num_seqs=args.max_num_seqs, kv_tokens=args.kv_tokens)
     app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue,
                      model_name=args.model_name or model_name_for(args.model))
     print(f"qat4 serve: {app.state.model_name}, context {engine.max_ctx} tokens, on http://{args.host}:{args.port}/",

@@ -16,7 +16,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "values differ (compared in fp32), int4 codes that disagree, the worst difference in units of "
                     "the group step, and for tensors recovered from 16-bit values the share that reconstruct "
                     "bit-identically. Exit status: 0 when every int4 code is identical and both hold the same "
-                    "tensors, 1 otherwise.")
+                    "tensors, 1 otherwise; config fields that differ are listed, and named in the last line, "
+                    "without changing the exit status.")
     p.add_argument("a", metavar="A", help="first checkpoint")
     p.add_argument("b", metavar="B", help="second checkpoint")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import triton
 
 from qat4.ops import w4_linear
+from qat4.ops._triton import TRITON_VERSION
 
 Tilings = dict[tuple, dict]
 
@@ -117,7 +117,7 @@ def pinned_tilings_note(pinned: int, shapes: int) -> str:
 
 def _machine_key(device: torch.device, dtype: torch.dtype) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return f"{name} | {str(dtype).removeprefix('torch.')} | triton {triton.__version__}"
+    return f"{name} | {str(dtype).removeprefix('torch.')} | triton {TRITON_VERSION}"
 
 
 def _read(path: Path) -> dict:

@@ -32,10 +32,9 @@ import functools
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
 from qat4.ops import use_triton
+from qat4.ops._triton import tl, triton
 from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
 
 _NO_WINDOW = 1 << 30  # window value that masks nothing

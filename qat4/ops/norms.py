@@ -23,10 +23,9 @@ rounding points (after the norm, after each RoPE product) so 16-bit results matc
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from qat4.ops import use_triton
+from qat4.ops._triton import tl, triton
 from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
 
 # ----------------------------------------------------------------------------------------------

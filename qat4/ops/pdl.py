@@ -17,8 +17,8 @@ import functools
 import os
 
 import torch
-import triton
-import triton.language as tl
+
+from qat4.ops._triton import tl, triton
 
 MAX_ROWS = 128  # token rows of the largest decode batch launched with PDL
 

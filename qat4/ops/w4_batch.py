@@ -86,9 +86,8 @@ graph launches what the table says. ``config=`` pins any of its keys (:data:`TIL
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
+from qat4.ops._triton import tl, triton
 from qat4.ops.norms import gelu_tanh_gate
 from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
 from qat4.ops.w4_linear import (  # noqa: F401  (the references are this module's references too)

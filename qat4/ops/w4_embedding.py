@@ -8,11 +8,10 @@ are ever dequantised. Ids must lie in [0, V); the kernel does not check them.
 """
 
 import torch
-import triton
-import triton.language as tl
 
 from qat4.checkpoint.packing import dequantize
 from qat4.ops import use_triton
+from qat4.ops._triton import tl, triton
 from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
 from qat4.ops.w4_linear import unpack_levels
 

@@ -38,11 +38,10 @@ import weakref
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
 from qat4.checkpoint.packing import dequantize
 from qat4.ops import use_triton
+from qat4.ops._triton import tl, triton
 from qat4.ops.norms import (
     gelu_tanh_gate, gelu_tanh_mul_reference, residual_rms_norm_reference, residual_rms_norm_row,
     residual_rms_norm_triton,

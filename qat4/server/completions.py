@@ -1,7 +1,10 @@
 """Chat and text completions: request -> prompt ids -> queued generation -> OpenAI JSON or SSE.
 
 Chat replies go through the chat module's parser, so thinking comes back as `reasoning_content`
-and tool calls as `tool_calls`, in whole responses and in streamed deltas alike.
+and tool calls as `tool_calls`, in whole responses and in streamed deltas alike. A call the model
+left unfinished (cut off by `max_tokens`) or wrote malformed is still listed in `tool_calls`, its
+`arguments` the text it wrote (not JSON, so clients such as LangChain file it as invalid), and the
+finish reason is then the generation's own (`length`), not `tool_calls`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from qat4.chat import ReplyStream, parse_reply
+from qat4.chat import Reply, ReplyEvent, ReplyStream
 from qat4.errors import Qat4Error
 from qat4.server.chat_prompt import ChatPrompt, build_chat_prompt
 from qat4.server.errors import APIError, bad_request
@@ -43,10 +46,28 @@ def _usage(done: Finished) -> dict[str, int]:
             "total_tokens": done.prompt_tokens + done.completion_tokens}
 
 
-def _tool_call(call: Any, index: int | None = None) -> dict[str, Any]:
+_CALL_EVENTS = ("tool_call", "invalid_tool_call")
+
+
+def _tool_call(event: ReplyEvent, index: int | None = None) -> dict[str, Any]:
+    """A parsed call as OpenAI's tool call: valid arguments as JSON text, an invalid call's as written."""
+    call = event.tool_call
+    arguments = call["arguments"] if event.kind == "invalid_tool_call" else json.dumps(call["arguments"], ensure_ascii=False)
     out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-           "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
+           "function": {"name": call["name"], "arguments": arguments}}
     return out if index is None else {"index": index, **out}
+
+
+def _finish_reason(done: Finished, calls: int, invalid_calls: int) -> str:
+    """`tool_calls` when the reply holds calls and all of them are whole; otherwise the generation's."""
+    return "tool_calls" if calls and not invalid_calls else done.finish_reason
+
+
+def _parse_whole(text: str, thinking: bool) -> tuple[Reply, list[ReplyEvent]]:
+    """The parsed reply and its calls, valid and invalid, in the order the model wrote them."""
+    stream = ReplyStream(thinking)
+    events = stream.feed(text) + stream.flush()
+    return stream.finish(), [e for e in events if e.kind in _CALL_EVENTS]
 
 
 async def _collect(gen: Generation) -> tuple[str, Finished]:
@@ -142,14 +163,12 @@ class Completions:
     async def chat(self, prepared: Prepared, gen: Generation) -> dict[str, Any]:
         """The whole chat.completion object."""
         text, done = await _collect(gen)
-        reply = parse_reply(prepared.reply_prefix + text, thinking=prepared.thinking)
-        calls = [_tool_call(c) for c in reply.tool_calls]
-        message: dict[str, Any] = {"role": "assistant", "content": reply.content if (reply.content or not calls) else None}
-        if reply.reasoning:
-            message["reasoning_content"] = reply.reasoning
-        if calls:
-            message["tool_calls"] = calls
-        reason = "tool_calls" if calls else done.finish_reason
+        reply, call_events = _parse_whole(prepared.reply_prefix + text, prepared.thinking)
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content,
+                                   "reasoning_content": reply.reasoning}
+        if call_events:
+            message["tool_calls"] = [_tool_call(event) for event in call_events]
+        reason = _finish_reason(done, len(reply.tool_calls), len(reply.invalid_tool_calls))
         return {**self._envelope("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", int(time.time())),
                 "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}],
                 "usage": _usage(done), "timings": done.timings.as_dict()}
@@ -163,7 +182,7 @@ class Completions:
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
             return sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra})
 
-        parser, calls, done = ReplyStream(thinking=prepared.thinking), 0, None
+        parser, calls, invalid_calls, done = ReplyStream(thinking=prepared.thinking), 0, 0, None
         try:
             yield chunk({"role": "assistant", "content": ""})
             async with aclosing(gen.events()) as events:
@@ -174,13 +193,14 @@ class Completions:
                     else:
                         parsed += parser.feed(item)
                     for event in parsed:
-                        if event.kind == "tool_call":
-                            yield chunk({"tool_calls": [_tool_call(event.tool_call, calls)]})
-                            calls += 1
+                        if event.kind in _CALL_EVENTS:
+                            yield chunk({"tool_calls": [_tool_call(event, calls + invalid_calls)]})
+                            calls += event.kind == "tool_call"
+                            invalid_calls += event.kind == "invalid_tool_call"
                         else:
                             yield chunk({"content" if event.kind == "content" else "reasoning_content": event.text})
                     parsed = []
-            reason = "tool_calls" if calls else done.finish_reason
+            reason = _finish_reason(done, calls, invalid_calls)
             yield chunk({}, reason, timings=done.timings.as_dict())
             if prepared.include_usage:
                 yield sse({**head, "choices": [], "usage": _usage(done), "timings": done.timings.as_dict()})
