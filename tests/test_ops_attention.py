@@ -7,20 +7,14 @@ The interpreter mishandles bf16, so kernels are checked there in fp32 and fp16 o
 is imported inside the tests that use it, to keep the interpreter subprocess light.
 """
 
-import os
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
+from kernel_harness import KERNEL_DEVICE, kernel_test, run_interpreted
 from qat4.ops import attention as attn
 
 H = 8
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-KERNEL_DEVICE = "cpu" if INTERPRETED else ("cuda" if torch.cuda.is_available() else None)
-kernel_test = pytest.mark.skipif(KERNEL_DEVICE is None, reason="needs CUDA or TRITON_INTERPRET=1")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,17 +175,9 @@ def test_splits_cover_two_programs_per_sm_for_any_batch():
 
 def test_triton_kernels_under_interpreter():
     """Runs this file's kernel tests in a subprocess with TRITON_INTERPRET=1."""
-    if KERNEL_DEVICE is not None:
-        pytest.skip("kernel tests run in this process")
-    run_interpreted(__file__, "kernel")
+    run_interpreted(__file__)
 
 
-def run_interpreted(test_file, keyword):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(test_file).resolve().parents[1]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", keyword, str(test_file)]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 
 KERNEL_DTYPES = [torch.float32, torch.float16]

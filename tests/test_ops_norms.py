@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qat4.ops import norms
-from test_ops_attention import KERNEL_DEVICE, kernel_test, run_interpreted
+from kernel_harness import KERNEL_DEVICE, kernel_test, run_interpreted
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 KERNEL_DTYPES = [torch.float32, torch.float16]  # the interpreter mishandles bf16
@@ -200,9 +200,7 @@ def test_public_functions_use_reference_on_cpu(monkeypatch):
 
 def test_triton_kernels_under_interpreter():
     """Runs this file's kernel tests in a subprocess with TRITON_INTERPRET=1."""
-    if KERNEL_DEVICE is not None:
-        pytest.skip("kernel tests run in this process")
-    run_interpreted(__file__, "kernel")
+    run_interpreted(__file__)
 
 
 def assert_kernel_close(actual, expected):

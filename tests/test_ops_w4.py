@@ -10,22 +10,16 @@ run bf16 tl.dot), so there bf16 appears as scales and inputs, and bf16 outputs g
 tolerance; tests/gpu/test_w4_gpu.py covers bf16 at E2B shapes.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from kernel_harness import INTERPRETED, KERNEL_DEVICE, kernel_test, run_interpreted
 
 from qat4.checkpoint import packing
 from qat4.errors import Qat4Error
 from qat4.ops import w4_embedding as we
 from qat4.ops import w4_linear as wl
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-KERNEL_DEVICE = "cpu" if INTERPRETED else ("cuda" if torch.cuda.is_available() else None)
-kernel_test = pytest.mark.skipif(KERNEL_DEVICE is None, reason="needs CUDA or TRITON_INTERPRET=1")
 # relative Frobenius error allowed for an output of each dtype (fp32 accumulation everywhere)
 OUT_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3 if INTERPRETED else 4e-3}
 
@@ -146,12 +140,7 @@ def test_shape_mismatch_is_rejected():
 
 def test_triton_kernels_under_interpreter():
     """Runs this file's kernel tests in a subprocess with TRITON_INTERPRET=1."""
-    if KERNEL_DEVICE is not None:
-        pytest.skip("the kernel tests run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel", __file__]
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    run_interpreted(__file__)
 
 
 def kernel_inputs(m, n, k, x_dtype, scale_dtype, seed=0):

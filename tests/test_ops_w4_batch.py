@@ -9,23 +9,17 @@ tiny (N <= 256, K <= 512) so the file stays fast; tests/gpu/test_w4_batch_gpu.py
 Gemma 4 E2B shapes. Every output starts as NaN, so an element the kernel leaves unwritten fails.
 """
 
-import os
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
+from kernel_harness import INTERPRETED, KERNEL_DEVICE, kernel_test, run_interpreted
 
 from qat4.checkpoint import packing
 from qat4.ops import pdl
 from qat4.ops import w4_batch as wb
 from qat4.ops import w4_linear as wl
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-KERNEL_DEVICE = "cpu" if INTERPRETED else ("cuda" if torch.cuda.is_available() else None)
-kernel_test = pytest.mark.skipif(KERNEL_DEVICE is None, reason="needs CUDA or TRITON_INTERPRET=1")
 # Relative Frobenius error allowed per x dtype. fp32: accumulation order only. 16-bit: each
 # weight is rounded to x.dtype once (2^-11 fp16, 2^-8 bf16; truncated, so up to twice that, under
 # the interpreter) and a 16-bit output once more: twice test_ops_w4's GEMV tolerance, as for its
@@ -58,12 +52,7 @@ def rel_err(actual, expected):
 
 def test_triton_kernels_under_interpreter():
     """Runs this file's kernel tests in a subprocess with TRITON_INTERPRET=1."""
-    if KERNEL_DEVICE is not None:
-        pytest.skip("the kernel tests run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel", __file__]
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    run_interpreted(__file__)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Run with `pytest -m gpu tests/gpu`; timings live in tools/bench_w4.py --rows R, 
 
 import pytest
 import torch
+from cuda_weights import random_weight, rel_err
 
 from qat4.ops import w4_batch as wb
 from qat4.ops import w4_linear as wl
@@ -27,18 +28,6 @@ def _dtypes():
 
 DTYPES = _dtypes()
 TOL = {torch.float16: 2e-3, torch.bfloat16: 8e-3}  # each weight rounded to x.dtype once, and the output
-
-
-def random_weight(n, k, dtype, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda", generator=g)
-    scales = (torch.rand(n, k // 32, device="cuda", generator=g) * 0.02 + 0.001).to(dtype)
-    return packed, scales
-
-
-def rel_err(actual, expected):
-    assert not actual.isnan().any()
-    return float((actual.double() - expected.double()).norm() / expected.double().norm())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

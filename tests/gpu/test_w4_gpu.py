@@ -6,6 +6,7 @@ Run with `pytest -m gpu tests/gpu`; timings live in tools/bench_w4.py, not here.
 
 import pytest
 import torch
+from cuda_weights import random_weight, rel_err
 
 from qat4.ops import w4_embedding as we
 from qat4.ops import w4
@@ -28,17 +29,6 @@ def _dtypes():
 DTYPES = _dtypes()
 OUT_TOL = {torch.float16: 1e-3, torch.bfloat16: 4e-3}  # rounding of the 16-bit output
 MATMUL_TOL = {torch.float16: 2e-3, torch.bfloat16: 8e-3}  # plus one rounding of each weight
-
-
-def random_weight(n, k, dtype, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda", generator=g)
-    scales = (torch.rand(n, k // 32, device="cuda", generator=g) * 0.02 + 0.001).to(dtype)
-    return packed, scales
-
-
-def rel_err(actual, expected):
-    return float((actual.double() - expected.double()).norm() / expected.double().norm())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
