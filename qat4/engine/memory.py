@@ -79,10 +79,16 @@ def model_nbytes(packed: PackedModel, max_ctx: int, dtype: torch.dtype) -> int:
     return total
 
 
+GRAPH_NBYTES = 8 * MIB  # what one captured decode graph keeps beside the shared pool (attention partials)
+
+
 def decode_nbytes(packed: PackedModel, rows: int) -> int:
-    """Working memory of a decode step over ``rows`` sequences: the fp32 logits of a sampled step
-    and as much again for the softmax beside them, with headroom for the activations."""
-    return rows * (packed.config.vocab_size * 4 * 2 + (1 << 20))
+    """Working memory of decode steps over up to ``rows`` sequences: the fp32 logits of a sampled
+    step and as much again for the softmax beside them, headroom for the activations, and what each
+    captured batch size's graph keeps."""
+    from qat4.engine.model_runner import graph_sizes
+
+    return rows * (packed.config.vocab_size * 4 * 2 + (1 << 20)) + len(graph_sizes(rows)) * GRAPH_NBYTES
 
 
 def _free_nbytes(device: torch.device, cap: int | None) -> int:
