@@ -179,6 +179,17 @@ def test_other_errors_have_openai_shape(real):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
 
 
+def test_decode_rate_needs_two_decode_steps(real):
+    """With 2 tokens (one decode step) no rate is reported; with 4, a positive one."""
+    rates = []
+    for n in (2, 4):
+        body = {"prompt": "Once upon a time", "max_tokens": n, "temperature": 0, "ignore_eos": True}
+        timings = httpx.post(real.url + "/v1/completions", json=body, timeout=60).json()["timings"]
+        assert timings["predicted_n"] == n
+        rates.append((timings["decode_tok_per_s"], timings["predicted_per_second"]))
+    assert rates[0] == (None, None) and rates[1][0] > 0 and rates[1][0] == rates[1][1]
+
+
 def test_metrics_move(real):
     before = httpx.get(real.url + "/metrics").text
     openai_client(real).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
@@ -193,6 +204,11 @@ def test_metrics_move(real):
     assert metric(after.text, "qat4_time_to_first_token_seconds_count") == metric(before, "qat4_time_to_first_token_seconds_count") + 1
     assert metric(after.text, 'qat4_request_duration_seconds_bucket{le="+Inf"}') > metric(before, 'qat4_request_duration_seconds_bucket{le="+Inf"}')
     assert "# TYPE qat4_queue_depth gauge" in after.text and metric(after.text, "qat4_queue_depth") == 0
+    assert metric(after.text, "qat4_batch_size_count") > metric(before, "qat4_batch_size_count")
+    assert "qat4_kv_pool_usage{layer_type=\"full_attention\"}" in after.text
+    httpx.get(real.url + "/v1/models/tiny")
+    counted = httpx.get(real.url + "/metrics").text
+    assert metric(counted, 'qat4_requests_total{endpoint="/v1/models/{id}",status="200"}') == 1
 
 
 def test_api_key():
@@ -400,13 +416,17 @@ def _stops_soon(engine: ScriptedEngine) -> bool:
 
 
 def test_disconnect_cancels_streamed_generation(scripted):
+    """The generation stops, and the tokens it streamed before still count in the metrics."""
     engine = scripted.engine
     engine.reply, engine.delay = "endless", 0.01
+    before = metric(httpx.get(scripted.url + "/metrics").text, "qat4_generated_tokens_total")
     with httpx.stream("POST", scripted.url + "/v1/chat/completions", json=LONG, timeout=30) as resp:
         lines = resp.iter_lines()
         for _ in range(10):
             next(lines)
     assert _stops_soon(engine) and engine.produced < 500
+    counted = metric(httpx.get(scripted.url + "/metrics").text, "qat4_generated_tokens_total") - before
+    assert 4 <= counted <= engine.produced  # 10 lines: the role chunk, 4 tokens and their blank lines
 
 
 def test_disconnect_cancels_plain_generation(scripted):

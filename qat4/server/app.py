@@ -38,6 +38,7 @@ PUBLIC_PATHS = frozenset({"/", "/health"})
 MAX_BODY_BYTES = 64 << 20
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_GONE = 499  # status recorded for requests whose client disconnected (nginx's convention)
+MODEL_ROUTE = "/v1/models/{id}"  # the endpoint label of every /v1/models/ID request
 
 
 class Gate:
@@ -80,7 +81,8 @@ class Gate:
                                  type="server_error")
                 await error.response()(scope, receive, tracked_send)
         finally:
-            endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
+            path = scope["path"]
+            endpoint = path if path in self.endpoints else MODEL_ROUTE if path.startswith("/v1/models/") else "other"
             self.metrics.requests.inc(endpoint, str(state["status"]))
             self.metrics.latency.observe(time.perf_counter() - start)
 
