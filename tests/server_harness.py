@@ -48,14 +48,15 @@ class ScriptedEngine:
     pool.usage) and batches like it: up to `max_num_seqs` sequences run, the rest wait. After the
     scripted ids a sequence keeps producing `filler` until max_new_tokens, unless the reply ended
     in a stop token. Every prompt that starts running is kept in `prompts`; `produced` counts the
-    ids it produced; `error` (when set) is raised by add_request instead of queueing.
+    ids it produced; `error` (when set) is raised by add_request instead of queueing, `step_error`
+    by every step (a device that broke).
     """
 
     def __init__(self, reply: str = "", *, delay: float = 0.0, max_ctx: int = 4096, max_num_seqs: int = 1):
         self.tokenizer = tiny_tokenizer()
         self.config = PRESETS["tiny"]
         self.max_ctx, self.max_num_seqs = max_ctx, max_num_seqs
-        self.reply, self.delay, self.error = reply, delay, None
+        self.reply, self.delay, self.error, self.step_error = reply, delay, None, None
         self.filler = self.tokenizer.encode(" more")[-1]
         self.prompts: list[list[int]] = []
         self.produced = 0
@@ -89,14 +90,16 @@ class ScriptedEngine:
         seq.state, seq.finish_reason = State.FINISHED, seq.finish_reason or "abort"
 
     @property
-    def has_work(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting)
+    def has_work(self) -> bool:  # a step that raised stays in flight, as the real engine's does
+        return self.step_error is not None or bool(self.scheduler.running or self.scheduler.waiting)
 
     def drain(self) -> None:
         while self.has_work:
             self.step()
 
     def step(self) -> list[StepOutput]:
+        if self.step_error is not None:
+            raise self.step_error
         running, waiting = self.scheduler.running, self.scheduler.waiting
         while waiting and len(running) < self.max_num_seqs:
             seq = waiting.popleft()

@@ -379,6 +379,22 @@ def test_unexpected_engine_error_is_500_and_server_continues(scripted):
     assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}]).choices[0].message.content == "Fine again."
 
 
+def test_a_broken_engine_fails_every_request_and_health_says_so(scripted):
+    """Every step raising (a device error that stays): the request in flight gets a 500, /health
+    answers 503 with the error, and later requests a 503 at once instead of waiting forever."""
+    client, engine = openai_client(scripted), scripted.engine
+    engine.reply, engine.step_error = "endless", RuntimeError("device lost")
+    with pytest.raises(openai.InternalServerError):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}])
+    assert wait_until(lambda: httpx.get(scripted.url + "/health").status_code == 503)
+    health = httpx.get(scripted.url + "/health").json()
+    assert health["status"] == "error" and "device lost" in health["error"]
+    start = time.perf_counter()
+    later = httpx.post(scripted.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+    assert later.status_code == 503 and "device lost" in later.json()["error"]["message"]
+    assert time.perf_counter() - start < 2
+
+
 # ---- queueing and cancellation ---------------------------------------------------------------
 
 LONG = {"messages": [{"role": "user", "content": "Talk."}], "stream": True, "max_tokens": 3000}

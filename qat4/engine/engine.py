@@ -22,7 +22,7 @@ import torch
 
 from qat4.checkpoint.packed_model import PackedModel
 from qat4.engine.config import EngineConfig
-from qat4.engine.kv_cache import KVPool
+from qat4.engine.kv_cache import KVPool, PoolExhausted
 from qat4.engine.memory import MIB, Plan, cap_text, model_nbytes, plan
 from qat4.engine.model_runner import ModelRunner
 from qat4.engine.sampler import SamplingParams
@@ -132,10 +132,9 @@ class Engine:
 
     @torch.no_grad()
     def _reserve_workspace(self) -> None:
-        """Read one prompt chunk at the deepest position and capture the greedy decode graph of
-        every batch size, so the caching allocator holds their peak working memory from load on
-        (a sampled batch's graph is captured when its shape first runs). Afterwards
-        :func:`matvec_tilings` lists the decode steps' GEMV shapes."""
+        """Read one prompt chunk at the deepest position and capture the decode graphs
+        (:meth:`_capture_graphs`), so the caching allocator holds their peak working memory from
+        load on. Afterwards :func:`matvec_tilings` lists the decode steps' GEMV shapes."""
         deep = min(self.max_ctx, self.pool.capacity_tokens)
         chunk = min(self.prefill_chunk, deep)
         probe = Sequence([0] * deep, SamplingParams(temperature=0), 0, 1, frozenset())
@@ -146,11 +145,19 @@ class Engine:
             h, _, _ = self.runner.forward_chunks([(probe, chunk)])
             self.model.argmax(h[-1:])
             forget_matvec_tilings()
-            for b in self.runner.sizes:
-                self.runner.capture(b, 1)
+            self._capture_graphs()
             torch.cuda.synchronize(self.device)
         finally:
             self.pool.close_slot(probe.slot)
+
+    def _capture_graphs(self) -> None:
+        """The decode graphs of every batch size, greedy and with the checkpoint's default sampling
+        (what requests that set nothing ask for); other sampling shapes are captured when they
+        first run."""
+        keeps = {1, self.runner.keep_for([Sequence([0], self.sampling_params(), 0, 1, frozenset())])}
+        for keep in sorted(keeps):
+            for b in self.runner.sizes:
+                self.runner.capture(b, keep)
 
     @torch.no_grad()
     def tune_decode(self, replays: int = 50) -> tuple[float, float, Path]:
@@ -162,8 +169,7 @@ class Engine:
         self.drain()
         tilings, before, after = tune_decode_tilings(self.runner, (1, 1), replays)
         self.runner.graphs.clear()  # every graph holds the tilings from before
-        for b in self.runner.sizes:
-            self.runner.capture(b, 1)
+        self._capture_graphs()
         return before, after, save_tilings(tilings, self.device, self.dtype)
 
     @property
@@ -241,12 +247,14 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
-        """Launch the next batch, then read back the previous step's tokens and return them."""
+        """Launch the next batch, then read back the previous step's tokens and return them.
+
+        An exception from a step (a device error) leaves the sequences in an unknown state: abort
+        them all (the server does) before stepping again."""
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch else None
-        outputs = self._collect(self._in_flight) if self._in_flight is not None else []
-        self._in_flight = launched
-        return outputs
+        previous, self._in_flight = self._in_flight, launched
+        return self._collect(previous) if previous is not None else []
 
     def drain(self) -> None:
         """Run until no sequence is left (tokens are dropped: for tools that reset the engine)."""
@@ -262,7 +270,7 @@ class Engine:
         for seq in batch.decode:
             seq.num_computed += 1
             seq.pending += 1
-        for i, (seq, n) in enumerate(batch.prefill):
+        for seq, n in batch.prefill:
             seq.num_computed += n
         for i in sampled:
             batch.prefill[i][0].pending += 1
@@ -292,17 +300,21 @@ class Engine:
             raise Qat4Error(f"{len(ids)} tokens are more than the context of {self.max_ctx} (max_ctx)")
         self.scheduler.check_fits(len(ids), 0)
         seq = Sequence(ids, SamplingParams(temperature=0), 0, 1, frozenset())
-        seq.slot = self.pool.open_slot()
         hidden = []
         try:
+            seq.slot = self.pool.open_slot()
             for start in range(0, len(ids), self.prefill_chunk):
                 n = min(self.prefill_chunk, len(ids) - start)
                 self.pool.grow(seq.slot, start + n, start)
                 self.pool.flush()
                 hidden.append(self.runner.forward_chunks([(seq, n)])[0])
                 seq.num_computed += n
+        except PoolExhausted:
+            raise Qat4Error(f"the KV pool has no room for {len(ids)} more tokens beside the sequences running; "
+                            "call logits when they are done") from None
         finally:
-            self.pool.close_slot(seq.slot)
+            if seq.slot is not None:
+                self.pool.close_slot(seq.slot)
         return self.model.logits(torch.cat(hidden))
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 256, temperature: float | None = None,

@@ -11,7 +11,7 @@ block_size`` of every layer of that type (``qat4.ops.attention``).
   131,072-token conversation and many short ones share the same memory.
 - Sliding layers are paged the same way, but a block whose positions have all left the window of
   every query still to come is given back at once: a decoding sequence holds at most
-  ``ceil((W + 1) / block_size) + 1`` blocks whatever its length. (A ring of W slots per sequence
+  ``ceil(W / block_size) + 1`` blocks whatever its length. (A ring of W slots per sequence
   holds as much; pages also let a prompt chunk of any length write its keys before it attends,
   as a decode step does, since the window of the chunk's first query reaches W - 1 positions
   behind the chunk, and let one kernel read both layer types.)
@@ -30,7 +30,14 @@ import torch
 
 from qat4.config import FULL, SLIDING, Gemma4Config
 
-SLIDING_LOOKAHEAD = 16  # positions past the newest that a step may write on a sliding layer
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait: on CUDA through pinned memory
+    (PyTorch's pinned allocator keeps the block until the copy has run), as is elsewhere."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class PoolExhausted(Exception):
@@ -62,9 +69,9 @@ class BlockAllocator:
 
 
 def sliding_blocks_per_seq(window: int, block_size: int, max_ctx: int) -> int:
-    """Blocks a decoding sequence holds on a sliding layer: its last ``window`` positions plus the
-    lookahead, on any alignment."""
-    return min(math.ceil((window + SLIDING_LOOKAHEAD) / block_size) + 1, math.ceil(max_ctx / block_size))
+    """Blocks a decoding sequence holds on a sliding layer: its last ``window`` positions, on any
+    alignment."""
+    return min(math.ceil(window / block_size) + 1, math.ceil(max_ctx / block_size))
 
 
 def pool_blocks(config: Gemma4Config, *, kv_tokens: int, max_seqs: int, prefill_chunk: int, max_ctx: int,
@@ -214,10 +221,11 @@ class KVPool:
         self._live_from[slot] = stop
 
     def flush(self) -> None:
-        """Write the table entries of the blocks allocated since the last flush to the device."""
+        """Write the table entries of the blocks allocated since the last flush to the device,
+        without waiting for it (from pinned memory, which is not reused before the copy ran)."""
         for kind, updates in self._updates.items():
             if updates:
-                index = torch.tensor(updates, dtype=torch.int64).T.to(self.device)
+                index = to_device(torch.tensor(updates, dtype=torch.int64).T, self.device)
                 self.tables[kind].index_put_((index[0], index[1]), index[2].to(torch.int32))
                 updates.clear()
 

@@ -84,11 +84,11 @@ GRAPH_NBYTES = 8 * MIB  # what one captured decode graph keeps beside the shared
 
 def decode_nbytes(packed: PackedModel, rows: int) -> int:
     """Working memory of decode steps over up to ``rows`` sequences: the fp32 logits of a sampled
-    step and as much again for the softmax beside them, headroom for the activations, and what each
-    captured batch size's graph keeps."""
+    step and as much again for the softmax beside them, headroom for the activations, and what the
+    two graphs captured per batch size (greedy and the default sampling) keep."""
     from qat4.engine.model_runner import graph_sizes
 
-    return rows * (packed.config.vocab_size * 4 * 2 + (1 << 20)) + len(graph_sizes(rows)) * GRAPH_NBYTES
+    return rows * (packed.config.vocab_size * 4 * 2 + (1 << 20)) + 2 * len(graph_sizes(rows)) * GRAPH_NBYTES
 
 
 def _free_nbytes(device: torch.device, cap: int | None) -> int:

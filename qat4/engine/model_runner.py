@@ -11,7 +11,7 @@ A step has two parts, both enqueued before the host waits for anything:
 
 Each sampled token is written to ``last_token[slot]`` on the device (the next step's input) and to
 a pinned host buffer; :meth:`ModelRunner.launch` returns a :class:`StepTokens` that waits for that
-copy only when read. The engine launches step n + 1 before it reads step n, so the GPU never idles
+copy only when read. Every host-to-device copy of a step goes through pinned memory without a wait. The engine launches step n + 1 before it reads step n, so the GPU never idles
 while the host schedules. Graphs are captured at load writing only to the scratch row, never into
 a live sequence's KV.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from qat4.engine.kv_cache import KVPool
+from qat4.engine.kv_cache import KVPool, to_device
 from qat4.engine.sampler import SamplingParams, keep_shape, sample, uniforms
 from qat4.engine.sequence import Sequence
 from qat4.model import ForwardBatch, Gemma4
@@ -69,8 +69,7 @@ class ModelRunner:
         self._cu_q = torch.arange(max_num_seqs + 1, dtype=torch.int64, device=dev)
         self._decoded = torch.zeros(max_num_seqs, dtype=torch.int64, device=dev)
         pinned = dev.type == "cuda"
-        self._staging = [torch.zeros(3, max_num_seqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
-        self._host = [torch.zeros(2 * max_num_seqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._host = [torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self._turn = 0
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
@@ -85,6 +84,7 @@ class ModelRunner:
         self.seed[slot] = seed
 
     def keep_for(self, seqs: list[Sequence]) -> int:
+        """The sampling shape (:func:`qat4.engine.sampler.keep_shape`) serving these sequences."""
         return keep_shape([s.params.effective_top_k(self.vocab_size) for s in seqs], self.vocab_size)
 
     # ---- the pieces of a step ------------------------------------------------------------------
@@ -144,12 +144,10 @@ class ModelRunner:
         n, b = len(seqs), self._padded(len(seqs))
         self.capture(b, keep)  # before the rows go in: a capture runs on the scratch row
         pad = b - n
-        rows = [[-1 if s.pending else s.tokens[-1] for s in seqs] + [0] * pad,
+        rows = [[-1 if s.pending else s.newest_known for s in seqs] + [0] * pad,
                 [s.length - 1 for s in seqs] + [0] * pad,
                 [s.slot for s in seqs] + [self.pool.scratch_row] * pad]
-        stage = self._staging[self._turn][:, :b]
-        stage.copy_(torch.tensor(rows, dtype=torch.int64))
-        self._meta[:, :b].copy_(stage, non_blocking=True)
+        self._meta[:, :b].copy_(to_device(torch.tensor(rows, dtype=torch.int64), self.device))
         if self.use_graph:
             self.graphs[(b, keep)].replay()
         else:
@@ -168,20 +166,24 @@ class ModelRunner:
             slots += [seq.slot] * n
             cu.append(cu[-1] + n)
             rows.append(seq.slot)
-        flat = torch.tensor([ids, positions, slots], dtype=torch.int64).to(self.device, non_blocking=True)
-        seq_meta = torch.tensor([cu, rows + [0]], dtype=torch.int64).to(self.device, non_blocking=True)
+        flat = to_device(torch.tensor([ids, positions, slots], dtype=torch.int64), self.device)
+        seq_meta = to_device(torch.tensor(cu + rows, dtype=torch.int64), self.device)
         max_q = max(n for _, n in chunks)
         max_keys = max(seq.num_computed + n for seq, n in chunks)
-        batch = self._batch(flat[2], flat[1], seq_meta[0], seq_meta[1, :-1], max_q, max_keys)
+        batch = self._batch(flat[2], flat[1], seq_meta[: len(cu)], seq_meta[len(cu) :], max_q, max_keys)
         return self.model.forward(flat[0], flat[1], self.pool, batch), flat[1], flat[2]
 
     def run_prefill(self, chunks: list[tuple[Sequence, int]], sampled: list[int]) -> torch.Tensor:
         """Enqueue prompt chunks; the last row of the chunks listed in ``sampled`` (indices into
         chunks) picks its sequence's next token. Returns those tokens [len(sampled)]."""
-        h, positions, slots = self.forward_chunks(chunks)
         if not sampled:
+            self.forward_chunks(chunks)
             return torch.zeros(0, dtype=torch.int64, device=self.device)
-        ends = torch.tensor([sum(n for _, n in chunks[: i + 1]) - 1 for i in sampled]).to(self.device)
+        cu = [0]
+        for _, n in chunks:
+            cu.append(cu[-1] + n)
+        ends = to_device(torch.tensor([cu[i + 1] - 1 for i in sampled]), self.device)
+        h, positions, slots = self.forward_chunks(chunks)
         keep = self.keep_for([chunks[i][0] for i in sampled])
         tokens = self._pick(h[ends], slots[ends], positions[ends], keep)
         self.last_token.index_copy_(0, slots[ends], tokens)

@@ -7,12 +7,13 @@ sequences by one chunk per step, never by its whole read. A prompt's chunks alwa
 multiples of ``prefill_chunk``; a chunk that does not fit in what the step has left waits for the
 next step.
 
-A waiting sequence is admitted when a slot is free, fewer than ``max_num_seqs`` run, and the pool
-can hold its first chunk with a block to spare for every running sequence. When the pool runs out
+A waiting sequence is admitted when a slot is free (there are ``max_num_seqs``) and the pool has
+room for its whole prompt with a block to spare for every running sequence. When the pool runs out
 while the running sequences grow, the most recently admitted one is preempted: it gives back its
 KV and goes to the front of the queue, to be read again later, prompt and output together (a seed
-keys each draw by its position, so the continuation is the one it would have produced). A request
-that the pool cannot hold even alone is refused when it is added (:meth:`Scheduler.check_fits`).
+keys each draw by its position, so the continuation is the one it would have produced). A prompt
+chunk never preempts its own sequence: it waits, its KV kept, for a later step. A request that the
+pool cannot hold even alone is refused when it is added (:meth:`Scheduler.check_fits`).
 """
 
 from __future__ import annotations
@@ -74,14 +75,14 @@ class Scheduler:
                 continue
             feed = seq.length - seq.num_computed
             if feed == 1:
-                if seq.wants_token and self._grow(seq, seq.length):
+                if seq.wants_token and self._grow(seq, seq.length, preempt_self=True):
                     batch.decode.append(seq)
             elif feed > 1:
                 n = self._chunk(seq, budget)
-                if n and self._grow(seq, seq.num_computed + n):
+                if n and self._grow(seq, seq.num_computed + n, preempt_self=False):
                     batch.prefill.append((seq, n))
                     budget -= n
-        while self.waiting and budget and len(self.running) < self.max_num_seqs and self.pool.num_free_slots:
+        while self.waiting and budget and self.pool.num_free_slots:
             seq = self.waiting[0]
             if seq.pending:  # a preempted sequence whose last token is still on its way back
                 break
@@ -96,13 +97,16 @@ class Scheduler:
         """Tokens of seq's prompt to read now: the rest of its current chunk if the budget holds
         it, else none."""
         start = seq.num_computed
-        n = min(self.prefill_chunk - start % self.prefill_chunk, len(seq.tokens) - start)
+        n = min(self.prefill_chunk - start % self.prefill_chunk, seq.num_known - start)
         return n if n <= budget else 0
 
     def _admit(self, seq: Sequence, n: int) -> bool:
+        """Admit seq with its first chunk of n tokens when the pool has room for its whole prompt
+        beside a block for every running sequence's next step."""
         slot = self.pool.open_slot()
-        spare = len(self.running)  # a block for each running sequence's next step
-        if not self.pool.can_grow(slot, n, 0) or min(self._free_after(slot, n).values()) < spare:
+        whole = self.pool.blocks_to_grow(slot, seq.num_known, seq.num_known - 1)
+        spare = len(self.running)
+        if any(self.pool.allocators[kind].num_free < need + spare for kind, need in whole.items()):
             self.pool.close_slot(slot)
             return False
         self.waiting.popleft()
@@ -112,15 +116,15 @@ class Scheduler:
         self.running.append(seq)
         return True
 
-    def _free_after(self, slot: int, end: int) -> dict[str, int]:
-        need = self.pool.blocks_to_grow(slot, end, 0)
-        return {kind: a.num_free - need[kind] for kind, a in self.pool.allocators.items()}
-
-    def _grow(self, seq: Sequence, end: int) -> bool:
+    def _grow(self, seq: Sequence, end: int, preempt_self: bool) -> bool:
         """Hold KV for seq's positions up to ``end``, preempting newer sequences while the pool is
-        short; False when seq itself had to be preempted."""
+        short. When only seq itself is left to preempt: a decoding sequence gives its KV back (and
+        is read again later), a prompt chunk waits for the next step with its KV kept. False when
+        seq does not run this step."""
         while not self.pool.can_grow(seq.slot, end, seq.num_computed):
             victim = self.running[-1]
+            if victim is seq and not preempt_self:
+                return False
             self.preempt(victim)
             if victim is seq:
                 return False

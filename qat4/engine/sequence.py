@@ -53,6 +53,15 @@ class Sequence:
         return self.prompt + self.output
 
     @property
+    def num_known(self) -> int:
+        """Tokens the host knows: the prompt and the output read back."""
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def newest_known(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
+
+    @property
     def length(self) -> int:
         """Positions the sequence has ids for, on the host or on the device."""
         return len(self.prompt) + len(self.output) + self.pending

@@ -170,10 +170,12 @@ def create_app(engine: Any, *, api_key: str | None = None, max_queue: int = 64,
         return HTMLResponse(page)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model_name, "queue_depth": loop.waiting(),
-                "running": len(engine.scheduler.running), "busy": bool(engine.scheduler.running),
-                "kv_pool_usage": engine.pool.usage()}
+    async def health() -> JSONResponse:
+        if loop.failure is not None:
+            return JSONResponse({"status": "error", "model": model_name, "error": str(loop.failure)}, status_code=503)
+        return JSONResponse({"status": "ok", "model": model_name, "queue_depth": loop.waiting(),
+                             "running": len(engine.scheduler.running), "busy": bool(engine.scheduler.running),
+                             "kv_pool_usage": engine.pool.usage()})
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:

@@ -149,16 +149,25 @@ class _Job:
     gone: bool = False  # the request left: abort at the next chance
 
     def put(self, item: Any) -> None:
-        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        _hand_over(self.loop, [(self, item)])
 
 
 _END = object()
 
 
 def _deliver(items: list[tuple[_Job, Any]]) -> None:
-    """On the event loop: hand each job its item (a token or the end marker)."""
+    """On the event loop: hand each job its item (a token, an exception or the end marker)."""
     for job, item in items:
         job.out.put_nowait(item)
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop, items: list[tuple[_Job, Any]]) -> None:
+    """From the engine thread: deliver items on the event loop; nothing when it has closed (the
+    requests are gone with it)."""
+    try:
+        loop.call_soon_threadsafe(_deliver, items)
+    except RuntimeError:
+        pass
 
 
 class EngineLoop:
@@ -177,6 +186,7 @@ class EngineLoop:
         self._inbox: list[_Job] = []
         self._jobs: dict[int, _Job] = {}  # sequence id -> job, for sequences in the engine
         self._closed = False
+        self.failure: Exception | None = None  # what stopped the engine thread, if anything did
         self._seconds_per_request = 1.0  # running average of request durations, for Retry-After
         self._thread = threading.Thread(target=self._run, name="qat4-engine", daemon=True)
         self._thread.start()
@@ -194,12 +204,15 @@ class EngineLoop:
         """Queue a generation (raises QueueFull when every waiting place is taken)."""
         with self._cond:
             if self._closed:
-                raise ShuttingDown("The server is shutting down.")
-            waiting = self.waiting()
-            if waiting >= self.max_waiting and (waiting or self.engine.scheduler.running):
+                raise ShuttingDown("The server is shutting down." if self.failure is None else
+                                   f"The engine stopped after an error ({self.failure}); restart the server.")
+            scheduler = self.engine.scheduler
+            room = max(0, self.engine.max_num_seqs - len(scheduler.running))
+            ahead = len(self._inbox) + len(scheduler.waiting)
+            if ahead + 1 - room > self.max_waiting:  # this one would wait, and the waiting places are taken
                 self.metrics.rejected.inc()
-                running = max(1, len(self.engine.scheduler.running))
-                raise QueueFull(max(1, math.ceil(self._seconds_per_request * (waiting + 1) / running)))
+                waiting = max(0, ahead - room)
+                raise QueueFull(max(1, math.ceil(self._seconds_per_request * (waiting + 1) / max(1, len(scheduler.running)))))
             job = _Job(list(prompt_ids), params, asyncio.get_running_loop(), asyncio.Queue())
             self._inbox.append(job)
             self._cond.notify()
@@ -220,23 +233,40 @@ class EngineLoop:
     # ---- the engine thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        engine = self.engine
-        while True:
+        """The engine thread. An error it cannot pin on one request ends it: every open and later
+        request gets that error instead of waiting forever, and /health says so."""
+        try:
+            while self._run_once():
+                pass
+        except Exception as exc:
+            log.exception("the engine loop stopped")
             with self._cond:
-                while not (self._inbox or self._closed or engine.has_work):
-                    self._cond.wait()
-                arrived, self._inbox = self._inbox, []
-                closed = self._closed
-            for job in arrived:
-                self._add(job)
-            for job in list(self._jobs.values()):
-                if job.gone or closed:
-                    self._end(job, abort=True)
-            if closed and not self._jobs:
-                engine.drain()
-                return
-            if engine.has_work:
-                self._step()
+                self.failure, self._closed = exc, True
+                stranded, self._inbox = self._inbox + list(self._jobs.values()), []
+                self._jobs.clear()
+            for job in stranded:
+                job.put(exc)
+                job.put(_END)
+
+    def _run_once(self) -> bool:
+        """Take in new requests and cancellations, then run a step; False once closed and drained."""
+        engine = self.engine
+        with self._cond:
+            while not (self._inbox or self._closed or engine.has_work):
+                self._cond.wait()
+            arrived, self._inbox = self._inbox, []
+            closed = self._closed
+        for job in arrived:
+            self._add(job)
+        for job in list(self._jobs.values()):
+            if job.gone or closed:
+                self._end(job, abort=True)
+        if closed and not self._jobs:
+            engine.drain()
+            return False
+        if engine.has_work:
+            self._step()
+        return True
 
     def _add(self, job: _Job) -> None:
         if job.gone or self._closed:
@@ -273,7 +303,7 @@ class EngineLoop:
             if out.finished:
                 self._end(job, deliver=delivered)
         if delivered:  # one wake-up of the event loop per step, not per token
-            delivered[0][0].loop.call_soon_threadsafe(_deliver, delivered)
+            _hand_over(delivered[0][0].loop, delivered)
 
     def _end(self, job: _Job, abort: bool = False, deliver: list | None = None) -> None:
         """Drop a finished or aborted job; its end marker goes out with ``deliver`` when given."""
