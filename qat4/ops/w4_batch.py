@@ -88,11 +88,10 @@ import functools
 import torch
 
 from qat4.ops._triton import tl, triton
-from qat4.ops.norms import gelu_tanh_gate
 from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
 from qat4.ops.w4_linear import (  # noqa: F401  (the references are this module's references too)
     GELU_PAIRS, GELU_UP, PLAIN, _argmax_reduce_kernel, _check, _interpreting, _sm_count, _softcap, _split_last,
-    _unit_columns, w4_argmax_reference, w4_linear_gelu_reference, w4_linear_reference, w4_logits_reference,
+    _unit_columns, store_tile, w4_argmax_reference, w4_linear_gelu_reference, w4_linear_reference, w4_logits_reference,
 )
 
 TILING_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_G", "SPLIT_K", "PREFETCH", "num_warps", "num_stages")
@@ -206,7 +205,6 @@ def _batch_epilogue(acc, rm, rn, pid_n, M, N, out_ptr, idx_ptr, u_ptr, stride_om
                     SOFTCAP: tl.constexpr, ARGMAX: tl.constexpr, EPILOGUE: tl.constexpr):
     """Finish the fp32 sums acc [BN, BM] of W rows rn and x rows rm (see :func:`_batch_kernel`)."""
     y = tl.trans(acc)  # [BM, BN]: rows of x, then columns of out
-    BM: tl.constexpr = y.shape[0]
     BN: tl.constexpr = y.shape[1]
     if SOFTCAP:
         y = _softcap(y, softcap)
@@ -215,21 +213,8 @@ def _batch_epilogue(acc, rm, rn, pid_n, M, N, out_ptr, idx_ptr, u_ptr, stride_om
         tl.store(out_ptr + rm * n_blocks + pid_n, tl.max(vals, axis=1), mask=rm < M)
         tl.store(idx_ptr + rm * n_blocks + pid_n, pid_n * BN + tl.argmax(vals, axis=1, tie_break_left=True),
                  mask=rm < M)
-    elif EPILOGUE == GELU_PAIRS:
-        dt: tl.constexpr = out_ptr.dtype.element_ty
-        gate, up = tl.split(tl.reshape(y.to(dt).to(tl.float32), [BM, BN // 2, 2]))
-        cols = pid_n * (BN // 2) + tl.arange(0, BN // 2)
-        mask = (rm < M)[:, None] & (cols < N // 2)[None, :]
-        tl.store(out_ptr + rm[:, None] * stride_om + cols[None, :], gelu_tanh_gate(gate, up, dt), mask=mask)
     else:
-        mask = (rm < M)[:, None] & (rn < N)[None, :]
-        if EPILOGUE == GELU_UP:
-            dt: tl.constexpr = out_ptr.dtype.element_ty
-            up = tl.load(u_ptr + rm[:, None] * stride_um + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = gelu_tanh_gate(y.to(dt).to(tl.float32), up, dt)
-        else:
-            y = y.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y, mask=mask)
+        store_tile(y, rm, rn, pid_n, M, N, out_ptr, u_ptr, stride_om, stride_um, EPILOGUE)
 
 
 @triton.heuristics({"EVEN": lambda a: a["N"] % a["BLOCK_N"] == 0 and a["G"] % (a["BLOCK_G"] * a["SPLIT_K"]) == 0})

@@ -40,12 +40,8 @@ from typing import NamedTuple
 import torch
 
 from qat4.checkpoint.packing import dequantize
-from qat4.ops import use_triton
 from qat4.ops._triton import tl, triton
-from qat4.ops.norms import (
-    gelu_tanh_gate, gelu_tanh_mul_reference, residual_rms_norm_reference, residual_rms_norm_row,
-    residual_rms_norm_triton,
-)
+from qat4.ops.norms import gelu_tanh_gate, gelu_tanh_mul_reference, residual_rms_norm_reference, residual_rms_norm_row
 from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
 
 MAX_MATVEC_ROWS = 16  # the GEMV takes at most this many rows of x
@@ -734,19 +730,30 @@ def _matmul_kernel(
             acc = tl.dot(xt.to(tl.float32), w, acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, w.to(xt.dtype), acc)
+    store_tile(acc, rm, rn, pid_n, M, N, out_ptr, u_ptr, stride_om, stride_um, EPILOGUE)
+
+
+@triton.jit
+def store_tile(y, rm, rn, pid_n, M, N, out_ptr, u_ptr, stride_om, stride_um, EPILOGUE: tl.constexpr):
+    """Store the fp32 tile y [BM, BN] of out (rows rm of x, columns rn = pid_n * BN + ...) in
+    out's dtype per EPILOGUE: PLAIN; GELU_PAIRS (columns alternate gate and up; out [M, N / 2]);
+    GELU_UP (times U [M, N], row stride stride_um). The prefill GEMM's and the decode-batch
+    kernel's epilogue."""
+    BM: tl.constexpr = y.shape[0]
+    BN: tl.constexpr = y.shape[1]
     dt: tl.constexpr = out_ptr.dtype.element_ty
     if EPILOGUE == GELU_PAIRS:
-        gate, up = tl.split(tl.reshape(acc.to(dt).to(tl.float32), [BLOCK_M, BLOCK_N // 2, 2]))
-        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        gate, up = tl.split(tl.reshape(y.to(dt).to(tl.float32), [BM, BN // 2, 2]))
+        cols = pid_n * (BN // 2) + tl.arange(0, BN // 2)
         mask = (rm < M)[:, None] & (cols < N // 2)[None, :]
         tl.store(out_ptr + rm[:, None] * stride_om + cols[None, :], gelu_tanh_gate(gate, up, dt), mask=mask)
     else:
         mask = (rm < M)[:, None] & (rn < N)[None, :]
         if EPILOGUE == GELU_UP:
             up = tl.load(u_ptr + rm[:, None] * stride_um + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = gelu_tanh_gate(acc.to(dt).to(tl.float32), up, dt)
+            y = gelu_tanh_gate(y.to(dt).to(tl.float32), up, dt)
         else:
-            y = acc.to(dt)
+            y = y.to(dt)
         tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y, mask=mask)
 
 
