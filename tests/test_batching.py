@@ -232,7 +232,7 @@ def test_scheduler_reads_prompts_in_chunks_under_the_budget_and_decodes_the_rest
     blocks = pool_blocks(TINY, kv_tokens=256, max_seqs=4, prefill_chunk=8, max_ctx=128, block_size=4)
     pool = KVPool(TINY, blocks, block_size=4, max_seqs=4, max_ctx=128, device=torch.device("cpu"),
                   dtype=torch.float32)
-    sched = Scheduler(pool, max_num_seqs=4, prefill_chunk=8)
+    sched = Scheduler(pool, prefill_chunk=8)
     long, short = (Sequence(prompt(n, n), SamplingParams(temperature=0), 0, 4, frozenset()) for n in (19, 5))
     sched.add(long)
     sched.add(short)

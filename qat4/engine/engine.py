@@ -77,7 +77,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.generation_config = dict(generation_config or {})
         self.runner = ModelRunner(model, pool, max_num_seqs=plan.max_num_seqs, use_graph=cuda_graph)
-        self.scheduler = Scheduler(pool, max_num_seqs=plan.max_num_seqs, prefill_chunk=plan.prefill_chunk)
+        self.scheduler = Scheduler(pool, prefill_chunk=plan.prefill_chunk)
         self._in_flight = None
         self.pinned_tilings = (0, 0)  # (decode GEMV shapes pinned from saved tilings, shapes in the steps); CUDA only
 

@@ -7,7 +7,7 @@ sequences by one chunk per step, never by its whole read. A prompt's chunks alwa
 multiples of ``prefill_chunk``; a chunk that does not fit in what the step has left waits for the
 next step.
 
-A waiting sequence is admitted when a slot is free (there are ``max_num_seqs``) and the pool has
+A waiting sequence is admitted when one of the pool's ``max_seqs`` slots is free and the pool has
 room for its whole prompt with a block to spare for every running sequence. When the pool runs out
 while the running sequences grow, the most recently admitted one is preempted: it gives back its
 KV and goes to the front of the queue, to be read again later, prompt and output together (a seed
@@ -42,8 +42,8 @@ class Batch:
 class Scheduler:
     """The waiting queue and the running set over one KV pool."""
 
-    def __init__(self, pool: KVPool, *, max_num_seqs: int, prefill_chunk: int):
-        self.pool, self.max_num_seqs, self.prefill_chunk = pool, max_num_seqs, prefill_chunk
+    def __init__(self, pool: KVPool, *, prefill_chunk: int):
+        self.pool, self.prefill_chunk = pool, prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preempted_total = 0
