@@ -57,7 +57,7 @@ def record_logits(engine: Engine) -> dict:
             seen[(owners[slot].id, pos)] = logits[row]
         return logits.argmax(-1) if keep == 1 else engine.runner.sample(logits, slots, positions, keep)
 
-    engine.runner._pick = recording
+    engine.runner.pick = recording
     return seen
 
 

@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# On a GPU machine: install the wheels it lacks (carried in .whl/), then run the steps asked for and
-# leave every log under $OUT (default ./out). Compiled kernels stay in $TRITON_CACHE_DIR (default
-# /tmp/qat4_triton_cache), so later steps and later calls on the same machine skip the compiling.
-#   usage: tools/gpu_check.sh STEP...   steps: kernels tests bench cap tune serve profile all
+# On a GPU machine: install the wheels it lacks (carried in .whl/), then run the steps asked for.
+# Logs, JSON and plots go to $LOGS (default /tmp/qat4_logs) and leave as one $OUT/logs.tgz (default
+# ./out). Compiled kernels stay in $TRITON_CACHE_DIR (default /tmp/qat4_triton_cache); the cache
+# also leaves as $OUT/triton_cache.tar.xz.NN (15 MiB parts), and parts found in .triton_cache/ are
+# unpacked into it first, so a fresh machine starts with the kernels an earlier one compiled.
+#   usage: tools/gpu_check.sh STEP...   steps: kernels sweep tests bench cap tune serve profile all
 #     kernels  the int4 kernels at E2B decode shapes: GEMV, decode-batch kernel and GEMM at 2, 16, 64 rows
+#     sweep    every decode-batch tiling at 4, 16 and 64 rows (tools/bench_w4.py --sweep)
 #     tests    pytest -m gpu tests/gpu
 #     bench    qat4 bench: decode by depth, prompt, batched decode at 1, 4, 16, 64 sequences
 #     cap      qat4 bench under --memory-cap-mib 3732 with 131,072 tokens held
-#     tune     qat4 bench --tune (saves decode tilings to $OUT/decode_tilings.json, used by later steps)
+#     tune     qat4 bench --tune (saves decode tilings to $LOGS/decode_tilings.json, used by later steps)
 #     serve    qat4 bench serve at 1, 4, 16, 64 clients (512-token prompts, 128 new tokens)
 #     profile  tools/profile_step.py at 1 and 64 sequences
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-out}; mkdir -p "$OUT"
+OUT=${OUT:-out}; LOGS=${LOGS:-/tmp/qat4_logs}; mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -20,11 +23,19 @@ if [ -d .whl ]; then
 else
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/qat4_triton_cache} QAT4_TILINGS=${QAT4_TILINGS:-$OUT/decode_tilings.json}
+export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/qat4_triton_cache} QAT4_TILINGS=${QAT4_TILINGS:-$LOGS/decode_tilings.json}
 mkdir -p "$TRITON_CACHE_DIR"
+if compgen -G ".triton_cache/triton_cache.tar.xz.*" >/dev/null && [ -z "$(ls -A "$TRITON_CACHE_DIR")" ]; then
+    python3 tools/triton_cache.py unpack "$TRITON_CACHE_DIR" .triton_cache/triton_cache.tar.xz.*
+fi
+pack() {
+    tar -czf "$OUT/logs.tgz" -C "$LOGS" .
+    python3 tools/triton_cache.py pack "$TRITON_CACHE_DIR" "$OUT/triton_cache.tar.xz"
+}
+trap pack EXIT
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
-  git rev-parse --short HEAD 2>/dev/null; } | tee -a "$OUT/gpu.txt"
+  git rev-parse --short HEAD 2>/dev/null; } | tee -a "$LOGS/gpu.txt"
 
 want() { for s in "${STEPS[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 0; done; return 1; }
 STEPS=("$@"); [ ${#STEPS[@]} -eq 0 ] && STEPS=(all)
@@ -33,31 +44,36 @@ SHAPES=2560x1536,2048x1536,1536x2048,12288x1536,24576x1536,1536x6144,1536x12288,
 
 if want kernels; then
     for rows in 2 16 64; do
-        timeout 200 python3 tools/bench_w4.py --rows $rows --shapes $SHAPES 2>&1 | tee "$OUT/bench_w4_rows$rows.log" | grep -E "per token|#"
+        timeout 200 python3 tools/bench_w4.py --rows $rows --shapes $SHAPES 2>&1 | tee "$LOGS/bench_w4_rows$rows.log" | grep -E "per token|#"
+    done
+fi
+if want sweep; then
+    for rows in 4 16 64; do
+        timeout 150 python3 tools/bench_w4.py --rows $rows --sweep --shapes $SHAPES 2>&1 | tee "$LOGS/bench_w4_sweep$rows.log" | grep -E "per token|#|best"
     done
 fi
 if want tests; then
     timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -m gpu -q -x -p no:cacheprovider -s ${TESTS:-tests/gpu} 2>&1 \
-        | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|Error|KL|agree|seeded|allocated|tok/s" | tail -30
+        | tee "$LOGS/gpu_tests.log" | grep -E "passed|failed|error|Error|KL|agree|seeded|allocated|tok/s" | tail -30
 fi
 if want tune; then
-    timeout 300 python3 -m qat4.cli bench "${E2B[@]}" --depths 0 --new 128 --prompt 512 --tune 2>&1 | tee "$OUT/bench_tune.log" | tail -6
+    timeout 300 python3 -m qat4.cli bench "${E2B[@]}" --depths 0 --new 128 --prompt 512 --tune 2>&1 | tee "$LOGS/bench_tune.log" | tail -6
 fi
 if want bench; then
     timeout 400 python3 -m qat4.cli bench "${E2B[@]}" --depths 0,4096,32768,131072 --new 128 --prompt 4096 \
-        --batch 1,4,16,64 --batch-context 512 --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -18
+        --batch 1,4,16,64 --batch-context 512 --json "$LOGS/bench.json" --plot "$LOGS/bench.png" 2>&1 | tee "$LOGS/bench.log" | tail -18
 fi
 if want cap; then
     timeout 240 python3 -m qat4.cli bench "${E2B[@]}" --depths 131072 --new 64 --prompt 4096 --memory-cap-mib 3732 \
-        --batch 8 --batch-context 4096 --json "$OUT/bench_cap.json" 2>&1 | tee "$OUT/bench_cap.log" | tail -10
+        --batch 8 --batch-context 4096 --json "$LOGS/bench_cap.json" 2>&1 | tee "$LOGS/bench_cap.log" | tail -10
 fi
 if want serve; then
     timeout 500 python3 -m qat4.cli bench serve "${E2B[@]}" --concurrency 1,4,16,64 --input-len 512 --output-len 128 \
-        --json "$OUT/bench_serve.json" --plot "$OUT/bench_serve.png" \
-        --compare llama.cpp=1:357,4:1177,16:2424,64:5222 2>&1 | tee "$OUT/bench_serve.log" | tail -14
+        --json "$LOGS/bench_serve.json" --plot "$LOGS/bench_serve.png" \
+        --compare llama.cpp=1:357,4:1177,16:2424,64:5222 2>&1 | tee "$LOGS/bench_serve.log" | tail -14
 fi
 if want profile; then
     for batch in 1 64; do
-        timeout 200 python3 tools/profile_step.py --depth 512 --batch $batch 2>&1 | tee "$OUT/profile_step_$batch.log" | head -24
+        timeout 200 python3 tools/profile_step.py --depth 512 --batch $batch 2>&1 | tee "$LOGS/profile_step_$batch.log" | head -24
     done
 fi

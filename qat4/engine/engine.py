@@ -34,6 +34,9 @@ from qat4.model import Gemma4
 from qat4.ops.w4_linear import forget_matvec_tilings, matvec_tilings, pin_matvec_tilings
 
 DEFAULT_STOP_IDS = (1, 106, 50)  # <eos>, <turn|>, <|tool_response>
+# Token counts that reach every kernel choice of qat4.ops.w4 (the GEMV, the batch kernel's row
+# blocks of 16, 32, 64 and 128, the prefill GEMM) and of the attention tiles (decode, prefill).
+WARM_TOKENS = (1, 3, 17, 33, 65, 129)
 
 
 @dataclass
@@ -132,9 +135,10 @@ class Engine:
 
     @torch.no_grad()
     def _reserve_workspace(self) -> None:
-        """Read one prompt chunk at the deepest position and capture the decode graphs
-        (:meth:`_capture_graphs`), so the caching allocator holds their peak working memory from
-        load on. Afterwards :func:`matvec_tilings` lists the decode steps' GEMV shapes."""
+        """Read one prompt chunk at the deepest position, capture the decode graphs
+        (:meth:`_capture_graphs`) and compile the eager steps' kernels (:meth:`_warm_kernels`), so
+        the caching allocator holds their peak working memory from load on and no request waits
+        for a compile. Afterwards :func:`matvec_tilings` lists the decode steps' GEMV shapes."""
         deep = min(self.max_ctx, self.pool.capacity_tokens)
         chunk = min(self.prefill_chunk, deep)
         probe = Sequence([0] * deep, SamplingParams(temperature=0), 0, 1, frozenset())
@@ -146,18 +150,38 @@ class Engine:
             self.model.argmax(h[-1:])
             forget_matvec_tilings()
             self._capture_graphs()
+            self._warm_kernels(probe)
             torch.cuda.synchronize(self.device)
         finally:
             self.pool.close_slot(probe.slot)
 
+    def _default_keeps(self) -> list[int]:
+        """Sampling shapes captured at load: greedy and the checkpoint's default sampling (what
+        requests that set nothing ask for)."""
+        return sorted({1, self.runner.keep_for([Sequence([0], self.sampling_params(), 0, 1, frozenset())])})
+
     def _capture_graphs(self) -> None:
-        """The decode graphs of every batch size, greedy and with the checkpoint's default sampling
-        (what requests that set nothing ask for); other sampling shapes are captured when they
-        first run."""
-        keeps = {1, self.runner.keep_for([Sequence([0], self.sampling_params(), 0, 1, frozenset())])}
-        for keep in sorted(keeps):
+        """The decode graphs of every batch size for :meth:`_default_keeps`; other sampling shapes
+        are captured when they first run."""
+        for keep in self._default_keeps():
             for b in self.runner.sizes:
                 self.runner.capture(b, keep)
+
+    def _warm_kernels(self, probe: Sequence) -> None:
+        """Launch every kernel variant an eager prompt step can need, on ``probe``'s blocks: a
+        chunk of each row class of :mod:`qat4.ops.w4` (WARM_TOKENS) at position 0 and at the
+        deepest position (attention with and without key splits), then the output layer over each
+        row class of sampled rows for every captured sampling shape. Triton compiles a kernel the
+        first time a new constant or tiling reaches it, and a compile mid-serving stops every
+        running sequence for seconds."""
+        deep = probe.length
+        for tokens in (t for t in WARM_TOKENS if t <= min(self.prefill_chunk, deep)):
+            for start in sorted({0, deep - tokens}):
+                probe.num_computed = start
+                h, positions, slots = self.runner.forward_chunks([(probe, tokens)])
+                for rows in (r for r in WARM_TOKENS if r <= min(tokens, self.max_num_seqs)):
+                    for keep in self._default_keeps():
+                        self.runner.pick(h[:rows], slots[:rows], positions[:rows], keep)
 
     @torch.no_grad()
     def tune_decode(self, replays: int = 50) -> tuple[float, float, Path]:

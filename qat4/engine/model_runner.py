@@ -94,7 +94,7 @@ class ModelRunner:
         seqs = PagedSeqs(positions, cu_q, rows, max_q_len, max_keys)
         return ForwardBatch(seqs, {kind: self.pool.store_rows(kind, slots, positions) for kind in self.pool.tables})
 
-    def _pick(self, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
+    def pick(self, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
         """Next token [R] of hidden rows h [R, D] whose tokens sit at ``positions`` [R] in the
         sequences of ``slots`` [R]: the fused argmax when every row is greedy (keep 1), else the
         logits and per-row sampling with each slot's parameters."""
@@ -114,7 +114,7 @@ class ModelRunner:
         ids, positions, slots = self._meta[:, :b]
         ids = torch.where(ids >= 0, ids, self.last_token[slots])
         batch = self._batch(slots, positions, self._cu_q[: b + 1], slots, 1, self.max_ctx)
-        tokens = self._pick(self.model.forward(ids, positions, self.pool, batch), slots, positions, keep)
+        tokens = self.pick(self.model.forward(ids, positions, self.pool, batch), slots, positions, keep)
         self.last_token.index_copy_(0, slots, tokens)
         self._decoded[:b].copy_(tokens)
 
@@ -185,7 +185,7 @@ class ModelRunner:
         ends = to_device(torch.tensor([cu[i + 1] - 1 for i in sampled]), self.device)
         h, positions, slots = self.forward_chunks(chunks)
         keep = self.keep_for([chunks[i][0] for i in sampled])
-        tokens = self._pick(h[ends], slots[ends], positions[ends], keep)
+        tokens = self.pick(h[ends], slots[ends], positions[ends], keep)
         self.last_token.index_copy_(0, slots[ends], tokens)
         return tokens
 

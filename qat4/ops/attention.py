@@ -120,7 +120,7 @@ def paged_attention_reference(
 # Triton kernels
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _paged_attn_kernel(
     Q, K, V, Out, PartAcc, PartM, PartL, Pos, CuQ, SeqRows, BlockTable,
     n_rows, window,
@@ -196,7 +196,7 @@ def _paged_attn_kernel(
         tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "n_splits"])
 def _attn_merge_kernel(
     PartAcc, PartM, PartL, Out, n_rows, n_splits, stride_ot, stride_oh,
     H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
@@ -277,6 +277,13 @@ def num_splits(n_seqs: int, row_blocks: int, max_keys: int, tiles: AttentionTile
     return max(1, min(want, triton.cdiv(max_keys, keys_per_split), _MAX_SPLITS))
 
 
+def merge_width(splits: int) -> int:
+    """BLOCK_S of the merge for ``splits`` partials: 16 or _MAX_SPLITS, two compiled kernels
+    whatever the split counts of a server's prompt chunks (a count of its own would compile
+    mid-step when a chunk first needs it)."""
+    return 16 if splits <= 16 else _MAX_SPLITS
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton launcher
 
@@ -334,7 +341,7 @@ def paged_attention_triton(
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl,
     )
     if splits > 1:
-        block_s = triton.next_power_of_2(splits)
+        block_s = merge_width(splits)
         block_d = min(D, max(16, 4096 // block_s))
         _attn_merge_kernel[(n_rows, D // block_d)](
             part_acc, part_m, part_l, out, n_rows, splits, out.stride(0), out.stride(1),

@@ -218,7 +218,7 @@ def _batch_epilogue(acc, rm, rn, pid_n, M, N, out_ptr, idx_ptr, u_ptr, stride_om
 
 
 @triton.heuristics({"EVEN": lambda a: a["N"] % a["BLOCK_N"] == 0 and a["G"] % (a["BLOCK_G"] * a["SPLIT_K"]) == 0})
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _batch_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, idx_ptr, u_ptr, part_ptr, lock_ptr,
     M, N, G, stride_xm, stride_om, stride_um, softcap,

@@ -686,7 +686,7 @@ def w4_argmax_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
 # Prefill GEMM
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "M_BIN"])
 def _matmul_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, u_ptr, M, N, G, stride_xm, stride_om, stride_um, M_BIN,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, GROUP_M: tl.constexpr,

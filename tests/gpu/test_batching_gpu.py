@@ -5,6 +5,8 @@ disconnects through the server leaves no sequence and no memory behind.
 Run with `pytest -m gpu tests/gpu`."""
 
 import asyncio
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -66,7 +68,7 @@ def record_logits(engine):
             seen[(owners[slot].id, pos)] = logits[row].float().cpu()
         return logits.argmax(-1)
 
-    engine.runner._pick = recording
+    engine.runner.pick = recording
     return seen
 
 
@@ -83,7 +85,7 @@ def test_rows_agree_with_the_same_sequence_alone(eager):
         alone.append(eager.add_request(p, 24, temperature=0, stop_token_ids=[]))
         while eager.has_work:
             eager.step()
-    del eager.runner._pick
+    del eager.runner.pick
     kls, same, compared = [], 0, 0
     for a, b in zip(together, alone):
         for (sid, pos), row in seen.items():
@@ -168,3 +170,13 @@ def test_a_flood_through_the_server_leaks_no_sequence_and_no_memory(engine):
     torch.cuda.synchronize()
     print(f"\nallocated before {before / 2**20:,.1f} MiB, after {torch.cuda.memory_allocated() / 2**20:,.1f} MiB")
     assert torch.cuda.memory_allocated() <= before + (8 << 20)
+
+
+def test_serving_compiles_no_kernel_after_the_load():
+    """Every kernel an eager step launches is compiled at load (``Engine._warm_kernels``): a compile
+    mid-serving stalls every running sequence for seconds."""
+    script = Path(__file__).with_name("serve_without_compiles.py")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    assert compiled == [], compiled
