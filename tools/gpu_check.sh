@@ -28,11 +28,13 @@ mkdir -p "$TRITON_CACHE_DIR"
 if compgen -G ".triton_cache/triton_cache.tar.xz.*" >/dev/null && [ -z "$(ls -A "$TRITON_CACHE_DIR")" ]; then
     python3 tools/triton_cache.py unpack "$TRITON_CACHE_DIR" .triton_cache/triton_cache.tar.xz.*
 fi
+[ -f .triton_cache/decode_tilings.json ] && [ ! -f "$QAT4_TILINGS" ] && cp .triton_cache/decode_tilings.json "$QAT4_TILINGS"
 pack() {
     tar -czf "$OUT/logs.tgz" -C "$LOGS" .
+    [ -f "$QAT4_TILINGS" ] && cp "$QAT4_TILINGS" "$OUT/"
     python3 tools/triton_cache.py pack "$TRITON_CACHE_DIR" "$OUT/triton_cache.tar.xz"
 }
-trap pack EXIT
+trap pack EXIT; trap 'exit 143' TERM
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
   git rev-parse --short HEAD 2>/dev/null; } | tee -a "$LOGS/gpu.txt"
@@ -57,7 +59,7 @@ if want tests; then
         | tee "$LOGS/gpu_tests.log" | grep -E "passed|failed|error|Error|KL|agree|seeded|allocated|tok/s" | tail -30
 fi
 if want tune; then
-    timeout 300 python3 -m qat4.cli bench "${E2B[@]}" --depths 0 --new 128 --prompt 512 --tune 2>&1 | tee "$LOGS/bench_tune.log" | tail -6
+    timeout ${TUNE_TIMEOUT:-300} python3 -m qat4.cli bench "${E2B[@]}" --depths 0 --new 128 --prompt 512 --tune 2>&1 | tee "$LOGS/bench_tune.log" | tail -6
 fi
 if want bench; then
     timeout 400 python3 -m qat4.cli bench "${E2B[@]}" --depths 0,4096,32768,131072 --new 128 --prompt 4096 \

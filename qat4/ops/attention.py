@@ -120,7 +120,7 @@ def paged_attention_reference(
 # Triton kernels
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["Pos", "CuQ", "SeqRows", "n_rows"])
 def _paged_attn_kernel(
     Q, K, V, Out, PartAcc, PartM, PartL, Pos, CuQ, SeqRows, BlockTable,
     n_rows, window,
