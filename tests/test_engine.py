@@ -253,7 +253,8 @@ def test_plan_takes_the_largest_chunk_and_the_most_sequences_that_fit(monkeypatc
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda", 0)
-    reserve, per_token = memory.TUNING_RESERVE, memory.PREFILL_BYTES_PER_TOKEN
+    reserve, per_token = 120 * mib, memory.PREFILL_BYTES_PER_TOKEN
+    monkeypatch.setattr(memory, "tuning_reserve", lambda device: reserve)
     base = 110 * mib + reserve
     for free, seqs, chunk in ((10**11, 64, 4096), (base + 64 * mib + 1024 * per_token, 64, 1024),
                               (base + 64 * mib + 300 * per_token, 64, 256), (base + 20 * mib + 256 * per_token, 20, 256)):

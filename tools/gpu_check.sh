@@ -50,7 +50,7 @@ if want kernels; then
     done
 fi
 if want sweep; then
-    for rows in 4 16 64; do
+    for rows in ${SWEEP_ROWS:-4 16 64}; do
         timeout 150 python3 tools/bench_w4.py --rows $rows --sweep --shapes $SHAPES 2>&1 | tee "$LOGS/bench_w4_sweep$rows.log" | grep -E "per token|#|best"
     done
 fi
@@ -75,7 +75,7 @@ if want serve; then
         --compare llama.cpp=1:357,4:1177,16:2424,64:5222 2>&1 | tee "$LOGS/bench_serve.log" | tail -14
 fi
 if want profile; then
-    for batch in 1 64; do
+    for batch in ${PROFILE_BATCHES:-1 64}; do
         timeout 200 python3 tools/profile_step.py --depth 512 --batch $batch 2>&1 | tee "$LOGS/profile_step_$batch.log" | head -24
     done
 fi

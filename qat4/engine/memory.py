@@ -23,7 +23,6 @@ from qat4.errors import Qat4Error
 MIB = 1 << 20
 AUTO_PREFILL_CHUNKS = (4096, 2048, 1024, 512, 256)  # prefill_chunk=None picks the largest that fits (CUDA)
 PREFILL_BYTES_PER_TOKEN = 256 << 10  # working memory of one prompt token in a chunk, with headroom
-TUNING_RESERVE = 256 * MIB  # Triton's autotuner allocates a 256 MiB cache-flush buffer while it tunes
 DEFAULT_MAX_NUM_SEQS = {"cuda": 64, "cpu": 8}
 
 
@@ -91,6 +90,14 @@ def decode_nbytes(packed: PackedModel, rows: int) -> int:
     return rows * (packed.config.vocab_size * 4 * 2 + (1 << 20)) + 2 * len(graph_sizes(rows)) * GRAPH_NBYTES
 
 
+def tuning_reserve(device: torch.device) -> int:
+    """What the autotuner allocates beside everything else while it tunes at load: its L2 flush
+    buffer (:func:`qat4.ops.w4_linear.flush_nbytes`)."""
+    from qat4.ops.w4_linear import flush_nbytes
+
+    return flush_nbytes(device)
+
+
 def _free_nbytes(device: torch.device, cap: int | None) -> int:
     """Bytes this process may still allocate on a CUDA device: what the cap leaves, or without a
     cap what the GPU has free."""
@@ -121,11 +128,12 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig) -> Pla
     chunks = [config.prefill_chunk] if config.prefill_chunk else [c for c in AUTO_PREFILL_CHUNKS if c <= max_ctx]
     chunks = chunks or [max_ctx]
     smallest = min(chunks)
+    reserve = tuning_reserve(device)
 
     def needed(seqs: int, chunk: int, working: bool) -> int:
         """Bytes of the pool and decode rows, with (``working``) the prompt chunk's working memory
         and the autotuner's buffer, which only a load that tunes needs at once."""
-        extra = chunk * PREFILL_BYTES_PER_TOKEN + TUNING_RESERVE if working else 0
+        extra = chunk * PREFILL_BYTES_PER_TOKEN + reserve if working else 0
         return kv(seqs, chunk)[1] + decode_nbytes(packed, seqs) + extra
 
     if config.max_num_seqs:

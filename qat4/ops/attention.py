@@ -143,7 +143,6 @@ def _paged_attn_kernel(
     up to BLOCK_N.
     Grid: (cdiv(max_q_len * H, BLOCK_R), n_splits, B); blocks past a sequence's rows store nothing.
     """
-    wait_for_previous_kernel(USE_PDL)
     pid_r = tl.program_id(0)
     pid_s = tl.program_id(1)
     seq = tl.program_id(2)
@@ -154,7 +153,6 @@ def _paged_attn_kernel(
     t = rows // H
     h = rows % H
     d = tl.arange(0, D)
-    q = tl.load(Q + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     q_pos = tl.load(Pos + t, mask=row_ok, other=0)
     hi = tl.max(tl.where(row_ok, q_pos + 1, 0), axis=0)
     lo = tl.maximum(tl.min(tl.where(row_ok, q_pos, hi), axis=0) - window + 1, 0)
@@ -163,6 +161,10 @@ def _paged_attn_kernel(
     chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), tl.num_programs(1)), BLOCK_N) * BLOCK_N
     first = lo + pid_s * chunk
     last = tl.minimum(first + chunk, hi)
+    # positions, sequence bounds and block tables come from the host, never from an earlier kernel:
+    # read before the wait, the chain of dependent loads runs while the previous kernel finishes
+    wait_for_previous_kernel(USE_PDL)
+    q = tl.load(Q + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
 
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
