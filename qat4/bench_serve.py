@@ -55,7 +55,7 @@ CONNECT_TIMEOUT_S = 30.0  # replies themselves have no time limit: at high concu
 PROBE_TIMEOUT_S = 10.0
 QUANTILES = (50, 99)
 
-Prompt = list[int] | str
+Prompt = list[int] | str | list[dict[str, str]]  # token ids or text (one user message), or chat messages
 
 
 def default_requests(concurrency: int) -> int:
@@ -117,7 +117,7 @@ class Workload:
         if self.model is not None:
             body["model"] = self.model
         if self.endpoint == "chat":
-            body["messages"] = [{"role": "user", "content": prompt}]
+            body["messages"] = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         else:
             body["prompt"] = prompt
         return body
@@ -133,6 +133,8 @@ class RequestResult:
     output_tokens: int = 0
     chunk_gaps_s: list[float] = field(default_factory=list)
     error: str | None = None
+    text: str = ""  # the reply's text (a chat reply's content)
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, where the server reports it
 
     @property
     def ok(self) -> bool:
@@ -176,6 +178,7 @@ async def send_request(client: httpx.AsyncClient, workload: Workload, prompt: Pr
 
     first = last = None
     gaps: list[float] = []
+    text: list[str] = []
     chunks, usage = 0, {}
     try:
         async with client.stream("POST", ENDPOINTS[workload.endpoint], json=workload.body(prompt, max_tokens)) as reply:
@@ -195,6 +198,8 @@ async def send_request(client: httpx.AsyncClient, workload: Workload, prompt: Pr
                     return failed(f"error event mid-reply: {error_message(data.encode())}")
                 if isinstance(event.get("usage"), dict):
                     usage = event["usage"]
+                for choice in event.get("choices") or []:
+                    text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
                 if _has_text(event):
                     now = time.perf_counter()
                     if first is None:
@@ -208,7 +213,8 @@ async def send_request(client: httpx.AsyncClient, workload: Workload, prompt: Pr
         return failed("the reply ended without any text")
     return RequestResult(latency_s=time.perf_counter() - start, ttft_s=first - start,
                          input_tokens=int(usage.get("prompt_tokens") or workload.input_len),
-                         output_tokens=int(usage.get("completion_tokens") or chunks), chunk_gaps_s=gaps)
+                         output_tokens=int(usage.get("completion_tokens") or chunks), chunk_gaps_s=gaps,
+                         text="".join(text), cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
 
 
 def _client(workload: Workload, connections: int) -> httpx.AsyncClient:
@@ -386,6 +392,104 @@ def run(workload: Workload, concurrencies: Sequence[int], report: ServeBenchRepo
 
     asyncio.run(levels())
     return report
+
+
+# ---- multi-turn conversations ----------------------------------------------------------------------
+
+
+@dataclass
+class TurnReport:
+    """One turn over every session: time to first token with the prompt cache's help and read cold
+    (the same conversation under a fresh system message, so no prefix matches), and how much of
+    the previous turn's prompt came back from the cache."""
+
+    turn: int
+    sessions: int
+    failed: int
+    prompt_tokens: float  # mean over the sessions
+    cached_tokens: float  # mean over the sessions
+    reusable_tokens: float  # mean: the previous turn's prompt, which this one starts with
+    ttft_ms: dict[str, float | None]
+    cold_ttft_ms: dict[str, float | None]
+
+
+def _conversation_turns(workload: Workload, turns: int, turn_len: int, rng: random.Random) -> list[list[str]]:
+    """User messages of one conversation: input_len words, then turn_len words each turn."""
+    return [" ".join(rng.choices(WORDS, k=workload.input_len if t == 0 else turn_len)) for t in range(turns)]
+
+
+def run_multi_turn(workload: Workload, turns: int, sessions: int, turn_len: int, seed: int,
+                   on_result: Callable[[str, int, int, RequestResult], None] | None = None) -> list[TurnReport]:
+    """`sessions` conversations of `turns` turns at once, each client sending its next turn when its
+    last reply ended (the history grows by the reply and turn_len words each turn); then the same
+    requests again, each under a system message of its own (a cold read). TTFT per turn both ways
+    and the prompt tokens the server reports cached (usage.prompt_tokens_details.cached_tokens)."""
+    rng = random.Random(seed)
+    conversations = [_conversation_turns(workload, turns, turn_len, rng) for _ in range(sessions)]
+    tag = lambda: " ".join(rng.choices(WORDS, k=8))  # noqa: E731  (a system message of 8 words)
+    sent: list[list[list[dict[str, str]]]] = [[] for _ in range(sessions)]
+    warm: list[list[RequestResult]] = [[] for _ in range(sessions)]
+    cold: list[list[RequestResult | None]] = [[None] * turns for _ in range(sessions)]
+
+    async def converse(client: httpx.AsyncClient, s: int) -> None:
+        messages = [{"role": "system", "content": tag()}]
+        for t, user in enumerate(conversations[s]):
+            messages.append({"role": "user", "content": user})
+            sent[s].append(list(messages))
+            result = await send_request(client, workload, list(messages), workload.output_len)
+            warm[s].append(result)
+            if on_result is not None:
+                on_result("warm", s * turns + t + 1, sessions * turns, result)
+            messages.append({"role": "assistant", "content": result.text})
+
+    async def replay(client: httpx.AsyncClient, s: int) -> None:
+        for t, messages in enumerate(sent[s]):
+            fresh = [{"role": "system", "content": tag()}, *messages[1:]]
+            cold[s][t] = await send_request(client, workload, fresh, workload.output_len)
+            if on_result is not None:
+                on_result("cold", s * turns + t + 1, sessions * turns, cold[s][t])
+
+    async def both() -> None:
+        async with _client(workload, sessions) as client:
+            await asyncio.gather(*(converse(client, s) for s in range(sessions)))
+            await asyncio.gather(*(replay(client, s) for s in range(sessions)))
+
+    asyncio.run(both())
+    reports = []
+    for t in range(turns):
+        done = [(s, warm[s][t]) for s in range(sessions) if t < len(warm[s]) and warm[s][t].ok]
+        colds = [cold[s][t] for s in range(sessions) if cold[s][t] is not None and cold[s][t].ok]
+        reusable = [warm[s][t - 1].input_tokens if t else 0 for s, _ in done]
+        reports.append(TurnReport(
+            turn=t + 1, sessions=sessions, failed=sessions - len(done),
+            prompt_tokens=sum(r.input_tokens for _, r in done) / max(1, len(done)),
+            cached_tokens=sum(r.cached_tokens for _, r in done) / max(1, len(done)),
+            reusable_tokens=sum(reusable) / max(1, len(done)),
+            ttft_ms=summarize_ms([r.ttft_s for _, r in done]), cold_ttft_ms=summarize_ms([r.ttft_s for r in colds]),
+        ))
+    return reports
+
+
+def hit_rate(turns: Sequence[TurnReport]) -> float | None:
+    """Cached tokens over reusable ones (each turn's cached tokens counted up to its reusable ones),
+    over the turns after the first; None when nothing was reusable."""
+    later = [t for t in turns if t.turn > 1 and t.reusable_tokens]
+    reusable = sum(t.reusable_tokens for t in later)
+    return sum(min(t.cached_tokens, t.reusable_tokens) for t in later) / reusable if reusable else None
+
+
+def format_turns(turns: Sequence[TurnReport]) -> str:
+    """The per-turn table of :func:`run_multi_turn` and the hit rate."""
+    head = f"{'turn':>5} {'prompt':>8} {'cached':>8} {'TTFT p50 ms':>12} {'cold p50 ms':>12} {'TTFT p99 ms':>12} {'cold p99 ms':>12}"
+    rows = [head]
+    for t in turns:
+        times = (t.ttft_ms["p50"], t.cold_ttft_ms["p50"], t.ttft_ms["p99"], t.cold_ttft_ms["p99"])
+        rows.append(f"{t.turn:>5} {t.prompt_tokens:>8,.0f} {t.cached_tokens:>8,.0f} "
+                    + " ".join(f"{_figure(ms, ',.1f'):>12}" for ms in times))
+    rate = hit_rate(turns)
+    rows.append(f"prompt cache hit rate over turns 2..{len(turns)}: " + ("n/a" if rate is None else f"{rate:.1%}")
+                + " of the previous turn's prompt")
+    return "\n".join(rows)
 
 
 def parse_compare(specs: Sequence[str]) -> dict[str, list[tuple[int, float]]]:

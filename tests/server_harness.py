@@ -45,7 +45,7 @@ class ScriptedEngine:
 
     It has the surface the server uses from `qat4.engine.Engine` (tokenizer, config, max_ctx,
     encode, check_request, add_request, step, abort, has_work, scheduler.running/waiting,
-    pool.usage) and batches like it: up to `max_num_seqs` sequences run, the rest wait. After the
+    pool.usage, pool.cached_blocks) and batches like it: up to `max_num_seqs` sequences run, the rest wait. After the
     scripted ids a sequence keeps producing `filler` until max_new_tokens, unless the reply ended
     in a stop token. Every prompt that starts running is kept in `prompts`; `produced` counts the
     ids it produced; `error` (when set) is raised by add_request instead of queueing, `step_error`
@@ -61,7 +61,7 @@ class ScriptedEngine:
         self.prompts: list[list[int]] = []
         self.produced = 0
         self.scheduler = types.SimpleNamespace(running=[], waiting=collections.deque())
-        self.pool = types.SimpleNamespace(usage=lambda: {"full_attention": 0.0})
+        self.pool = types.SimpleNamespace(usage=lambda: {"full_attention": 0.0}, cached_blocks=lambda: {"full_attention": 0})
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         return Engine.encode(self, prompt)

@@ -207,7 +207,7 @@ def test_allocator_hands_out_blocks_once_and_never_the_scratch_block():
     assert sorted(got) == [1, 2, 3, 4] and a.num_free == 0 and a.num_used == 4
     with pytest.raises(PoolExhausted):
         a.allocate(1)
-    a.free(got[:2])
+    a.release(got[:2])
     assert a.num_free == 2 and sorted(a.allocate(2)) == sorted(got[:2])
 
 

@@ -288,3 +288,22 @@ def test_against_a_real_qat4_serve_on_the_cpu(tmp_path):
     with pytest.raises(httpx.ConnectError):  # stopped with the benchmark
         httpx.get(f"{url}/health", timeout=2)
 
+
+
+def test_multi_turn_conversations_hit_the_prompt_cache(tmp_path, capsys):
+    """Two conversations of three turns against qat4's server on the tiny model: every later turn
+    reads the previous turn's prompt from the cache, the cold replay reads it all again."""
+    from qat4.server.app import create_app
+    from server_harness import tiny_engine
+
+    with LiveServer(create_app(tiny_engine(), model_name="tiny")) as server:
+        out = tmp_path / "turns.json"
+        assert bench(server.url, "--multi-turn", "3", "--sessions", "2", "--input-len", "60", "--turn-len", "10",
+                     "--output-len", "4", "--json", str(out)) == 0
+    report = json.loads(out.read_text())
+    later = report["per_turn"][1:]
+    assert all(t["failed"] == 0 for t in report["per_turn"]) and report["per_turn"][0]["cached_tokens"] == 0
+    assert all(t["cached_tokens"] >= t["reusable_tokens"] - 16 - 4 for t in later)  # all but the reply and a block
+    assert report["hit_rate"] > 0.7
+    printed = capsys.readouterr().out
+    assert "prompt cache hit rate over turns 2..3" in printed and "cold p50 ms" in printed

@@ -33,7 +33,7 @@ WEATHER_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 WEATHER_CALL = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_response>'
 QUESTION = {"role": "user", "content": "What is the weather in Paris right now?"}
-TIMING_KEYS = {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "decode_ms", "decode_tok_per_s"}
+TIMING_KEYS = {"cache_n", "prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "decode_ms", "decode_tok_per_s"}
 
 
 def openai_client(server: LiveServer, api_key: str = "unused") -> openai.OpenAI:
@@ -88,7 +88,8 @@ def test_chat_plain_and_streamed(real):
     assert 1 <= resp.usage.completion_tokens <= 4
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
     timings = resp.model_extra["timings"]
-    assert TIMING_KEYS <= set(timings) and timings["prompt_n"] == len(prompt_ids)
+    assert TIMING_KEYS <= set(timings) and timings["prompt_n"] + timings["cache_n"] == len(prompt_ids)
+    assert timings["cache_n"] == resp.usage.prompt_tokens_details.cached_tokens
     assert timings["predicted_n"] == resp.usage.completion_tokens
 
     chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
@@ -99,7 +100,12 @@ def test_chat_plain_and_streamed(real):
     finishes = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
     assert [f.finish_reason for f in finishes] == [choice.finish_reason]
     assert TIMING_KEYS <= set(chunks[-2].model_extra["timings"])
-    assert chunks[-1].choices == [] and chunks[-1].usage == resp.usage
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens) == (resp.usage.prompt_tokens,
+                                                                                          resp.usage.completion_tokens)
+    # the same prompt again: its whole blocks but the one holding its last token come from the prompt cache
+    block = real.app.state.engine_loop.engine.pool.block_size
+    assert usage.prompt_tokens_details.cached_tokens == (len(prompt_ids) - 1) // block * block
 
 
 def test_text_completions_plain_streamed_and_stop(real):

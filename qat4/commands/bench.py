@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 from qat4.commands.model_args import DEVICES, resolve_device
 from qat4.errors import Qat4Error
@@ -83,6 +85,13 @@ def _add_serve_parser(modes) -> None:
                    help='more flags for the qat4 serve started, as one string: --server-args="--max-ctx 4096"')
     p.add_argument("--json", metavar="FILE", help="write every figure and the parameters as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot output tok/s, TTFT and TPOT against concurrency")
+    p.add_argument("--multi-turn", type=int, metavar="T",
+                   help="instead of the levels: --sessions chat conversations of T turns at once (the first message "
+                        "--input-len words, each later one --turn-len), then the same requests read cold; TTFT per "
+                        "turn both ways and the prompt cache's hit rate")
+    p.add_argument("--sessions", type=int, default=8, metavar="S", help="conversations at once with --multi-turn (default: %(default)s)")
+    p.add_argument("--turn-len", type=int, default=64, metavar="N",
+                   help="words of each user message after the first with --multi-turn (default: %(default)s)")
     p.add_argument("--compare", action="append", metavar="NAME=C:TOK_S,...",
                    help="reference output tok/s by concurrency to draw beside this run, e.g. llama.cpp=1:373,4:900 "
                         "(repeatable)")
@@ -191,6 +200,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from qat4.serve_process import HOST, ServerProcess, free_port, serve_command
 
     concurrencies = _int_list(args.concurrency, "--concurrency", 1, "numbers of clients of at least 1")
+    if args.multi_turn is not None and (args.multi_turn < 1 or args.sessions < 1 or args.turn_len < 1):
+        raise Qat4Error("--multi-turn, --sessions and --turn-len must be at least 1")
+    if args.multi_turn is not None:
+        concurrencies = [args.sessions]
     if args.input_len < 1 or args.output_len < 1:
         raise Qat4Error("--input-len and --output-len must be at least 1")
     if args.requests_per_level is not None and args.requests_per_level < max(concurrencies):
@@ -226,6 +239,8 @@ def _measure(args: argparse.Namespace, url: str, model: str | None, server: str,
     from qat4 import bench_serve
     from qat4.commands.progress import ProgressLine
 
+    if args.multi_turn is not None:
+        return _measure_turns(args, url, model, server)
     workload = bench_serve.Workload(url, args.endpoint, model, args.input_len, args.output_len,
                                     temperature=args.temperature, api_key=args.api_key)
     report = bench_serve.new_report(workload, server=server, requests_per_level=args.requests_per_level,
@@ -247,4 +262,36 @@ def _measure(args: argparse.Namespace, url: str, model: str | None, server: str,
     if not any(level.completed for level in report.levels):
         total = sum(level.requests for level in report.levels)
         raise Qat4Error(f"every one of the {total} requests failed; the first: {report.levels[0].first_error}")
+    return 0
+
+
+def _measure_turns(args: argparse.Namespace, url: str, model: str | None, server: str) -> int:
+    """--multi-turn: the conversations against `url`, the per-turn table, --json."""
+    from dataclasses import asdict
+
+    from qat4 import bench_serve
+    from qat4.commands.progress import ProgressLine
+
+    workload = bench_serve.Workload(url, "chat", model, args.input_len, args.output_len,
+                                    temperature=args.temperature, api_key=args.api_key)
+    line, failed = ProgressLine(), Counter()
+
+    def show(phase: str, done: int, total: int, result: bench_serve.RequestResult) -> None:
+        failed[phase] += not result.ok
+        line.update(f"[bench serve] {args.sessions} conversations, {phase}: {done}/{total} requests, {failed[phase]} failed")
+        if done == total:
+            line.done()
+
+    turns = bench_serve.run_multi_turn(workload, args.multi_turn, args.sessions, args.turn_len, args.seed, show)
+    print(f"{model} at {url} ({server}): {args.sessions} conversations of {args.multi_turn} turns, "
+          f"{args.output_len} output tokens a turn")
+    print(bench_serve.format_turns(turns))
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "url": url, "model": model, "server": server, "sessions": args.sessions, "turns": args.multi_turn,
+            "input_len": args.input_len, "turn_len": args.turn_len, "output_len": args.output_len,
+            "qat4_commit": bench_serve.qat4_commit(), "hit_rate": bench_serve.hit_rate(turns),
+            "per_turn": [asdict(t) for t in turns]}, indent=2))
+    if all(t.failed == t.sessions for t in turns):
+        raise Qat4Error("every request of the conversations failed")
     return 0

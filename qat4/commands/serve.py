@@ -36,6 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="generations decoded together in one batch (default: 64 on a GPU, fewer if memory is short; 8 on the CPU)")
     p.add_argument("--kv-tokens", type=int, default=None, metavar="N",
                    help="tokens the full-attention KV pool holds over all sequences (default: --max-ctx)")
+    p.add_argument("--prompt-cache-mib", type=float, default=None, metavar="N",
+                   help="memory kept for the prompt cache's restart windows beside the running sequences; "
+                        "a request whose beginning an earlier one read reuses its KV (default: 64, less if memory "
+                        "is short; 0 turns the cache off)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
                    help=f"requests that may wait to join the batch; more get 429 (default: {DEFAULT_MAX_QUEUE})")
     p.add_argument("--model-name", default=None, metavar="NAME", help="model id reported by /v1/models (default: derived from --model)")
@@ -79,14 +83,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"qat4 serve: warning: listening on {args.host} without --api-key; anyone who can reach it can use it",
               file=sys.stderr)
     engine = load_engine("serve", args.model, device, max_ctx=args.max_ctx, memory_cap_mib=args.memory_cap_mib,
-                         max_num_seqs=args.max_num_seqs, kv_tokens=args.kv_tokens)
+                         max_num_seqs=args.max_num_seqs, kv_tokens=args.kv_tokens, prompt_cache_mib=args.prompt_cache_mib)
     app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue,
                      model_name=args.model_name or model_name_for(args.model))
     print(f"qat4 serve: {app.state.model_name}, context {engine.max_ctx} tokens, on http://{args.host}:{args.port}/",
           file=sys.stderr)
     print(f"qat4 serve: KV pool: {engine.pool.capacity_tokens} tokens, up to {engine.max_num_seqs} sequences "
-          f"({engine.nbytes['kv_cache'] / (1 << 20):,.0f} MiB); prompts read {engine.prefill_chunk} tokens a step",
-          file=sys.stderr)
+          f"({engine.nbytes['kv_cache'] / (1 << 20):,.0f} MiB); prompts read {engine.prefill_chunk} tokens a step; "
+          f"prompt cache {'on' if engine.pool.prompt_cache else 'off'}", file=sys.stderr)
     if engine.device.type == "cuda":
         print(f"qat4 serve: {pinned_tilings_note(*engine.pinned_tilings)}", file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

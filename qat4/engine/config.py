@@ -24,7 +24,10 @@ class EngineConfig:
     largest of 4096 .. 256 whose working memory fits, 256 on the CPU); running sequences decode a
     token every step in between. kv_tokens: tokens the full-attention KV pool holds over all
     sequences (default max_ctx: one sequence of the whole context, or many shorter ones).
-    block_size: tokens per KV block (a power of two). memory_cap_mib: on CUDA, cap this process's
+    block_size: tokens per KV block (a power of two). prompt_cache_mib: memory the sliding-window
+    pool gets beyond what the running sequences need, so the prompt cache's restart windows
+    survive beside them (:mod:`qat4.engine.prefix`; default 64 MiB, on CUDA as much of it as
+    fits); 0 turns the prompt cache off. memory_cap_mib: on CUDA, cap this process's
     GPU memory before anything is allocated; the load fails with a clear message when the model
     and one sequence's KV do not fit. cuda_graph: replay decode steps as CUDA graphs (CUDA only).
     """
@@ -35,6 +38,7 @@ class EngineConfig:
     prefill_chunk: int | None = None
     kv_tokens: int | None = None
     block_size: int = BLOCK_SIZE_DEFAULT
+    prompt_cache_mib: float | None = None
     memory_cap_mib: float | None = None
     cuda_graph: bool = True
 
@@ -45,6 +49,8 @@ class EngineConfig:
                 raise Qat4Error(f"{name} is {value}; it must be at least 1")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise Qat4Error(f"block_size is {self.block_size}; it must be a power of two")
+        if self.prompt_cache_mib is not None and not self.prompt_cache_mib >= 0:
+            raise Qat4Error(f"prompt_cache_mib is {self.prompt_cache_mib}; it must be 0 (off) or more")
         if self.memory_cap_mib is not None and not self.memory_cap_mib > 0:
             raise Qat4Error(f"memory_cap_mib is {self.memory_cap_mib}; it must be positive")
 

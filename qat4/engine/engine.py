@@ -51,6 +51,7 @@ class Generation:
     prefill_ms: float  # from the request to its first token on the host
     decode_ms: float  # first token to last token
     decode_steps: int  # tokens produced by decode steps (every token after the first)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -92,7 +93,8 @@ class Engine:
         """Read a checkpoint (folder, file or model id) and build an engine on ``device``.
 
         ``config`` and keyword ``options`` are :class:`qat4.engine.EngineConfig` fields (dtype,
-        max_ctx, max_num_seqs, prefill_chunk, kv_tokens, block_size, memory_cap_mib, cuda_graph).
+        max_ctx, max_num_seqs, prefill_chunk, kv_tokens, block_size, prompt_cache_mib, memory_cap_mib,
+        cuda_graph).
         """
         from qat4.checkpoint.loader import load_packed
 
@@ -115,7 +117,8 @@ class Engine:
         try:
             model = Gemma4(packed, device, resolved.dtype, resolved.max_ctx)
             pool = KVPool(packed.config, resolved.blocks, block_size=config.block_size,
-                          max_seqs=resolved.max_num_seqs, max_ctx=resolved.max_ctx, device=device, dtype=resolved.dtype)
+                          max_seqs=resolved.max_num_seqs, max_ctx=resolved.max_ctx, device=device, dtype=resolved.dtype,
+                          prompt_cache=resolved.prompt_cache)
             engine = cls(model, pool, resolved, cuda_graph=config.cuda_graph, tokenizer=tokenizer,
                          generation_config=packed.generation_config)
             if device.type == "cuda":
@@ -287,8 +290,9 @@ class Engine:
 
     def _launch(self, batch):
         for seq, _ in batch.prefill:
-            if seq.num_computed == 0:
+            if seq.new_slot:
                 self.runner.set_sampling(seq.slot, seq.params, seq.seed)
+                seq.new_slot = False
         sampled = [i for i, (seq, n) in enumerate(batch.prefill) if seq.num_computed + n == seq.length and seq.wants_token]
         launched = self.runner.launch(batch.decode, self.runner.keep_for(batch.decode), batch.prefill, sampled)
         for seq in batch.decode:
@@ -398,6 +402,7 @@ class Engine:
             prefill_ms=(seq.first_token_at - seq.arrived) * 1e3,
             decode_ms=(seq.last_token_at - seq.first_token_at) * 1e3,
             decode_steps=len(seq.output) - 1,
+            cached_tokens=seq.cached_tokens,
         )
 
 

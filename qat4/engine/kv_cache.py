@@ -16,6 +16,12 @@ block_size`` of every layer of that type (``qat4.ops.attention``).
   as a decode step does, since the window of the chunk's first query reaches W - 1 positions
   behind the chunk, and let one kernel read both layer types.)
 
+Blocks are reference-counted: with the prompt cache on (:mod:`qat4.engine.prefix`), a block whose
+tokens are known is named by their hash when its sequence lets go of it, stays cached until the pool
+needs the room, and is shared read-only by every later sequence with the same prefix
+(:meth:`KVPool.attach_prefix`); a sequence never writes into a block it did not allocate, since it
+only writes positions after its restart point, which starts a block.
+
 Block 0 of each pool is scratch and never handed out; table row ``max_seqs`` (the scratch row) is
 all zeros, so the padding rows of a captured batch write and read block 0 and never a live
 sequence's KV. Tables live on the device; the host keeps each slot's blocks and sends the new
@@ -25,6 +31,8 @@ entries once per step (:meth:`KVPool.flush`).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -45,27 +53,90 @@ class PoolExhausted(Exception):
 
 
 class BlockAllocator:
-    """Free block ids of one pool; block 0 is scratch and never allocated."""
+    """The blocks of one pool: free, held (reference-counted by the sequences whose tables name
+    them) and cached (held by none, kept for the prompt cache until the pool needs them, oldest
+    first). Block 0 is scratch and never allocated.
+
+    A cached block is one whose positions all hold the K/V of known tokens: :meth:`register`
+    names it by the hash of the tokens from position 0 to its end (:mod:`qat4.engine.prefix`),
+    :meth:`lookup` finds it again, :meth:`acquire` takes another reference. When its last holder
+    lets go (:meth:`release`) a named block is cached instead of freed; :meth:`allocate` hands
+    out free blocks first and takes the oldest cached ones only when none are left.
+    """
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, 0, -1))  # pop() hands out 1, 2, 3, ...
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()  # held by none, oldest first
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can have: free ones and cached ones."""
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - 1 - len(self._free)
+        """Blocks some sequence holds."""
+        return self.num_blocks - 1 - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks held by no sequence and kept for the prompt cache."""
+        return len(self._cached)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise PoolExhausted(f"{n} blocks asked for, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        if n > self.num_free:
+            raise PoolExhausted(f"{n} blocks asked for, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.pop()
+            else:
+                block, _ = self._cached.popitem(last=False)
+                del self._block_of[self._hash_of.pop(block)]
+            self._refs[block] = 1
+            out.append(block)
+        return out
 
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; a block nobody holds is cached when named, else freed."""
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block]:
+                continue
+            if block in self._hash_of:
+                self._cached[block] = None
+            else:
+                self._free.append(block)
+
+    def register(self, block: int, key: bytes) -> None:
+        """Name a held block by the hash of the tokens up to its end (a first name sticks; a
+        second block with the same tokens stays unnamed and is freed when let go)."""
+        if key not in self._block_of and block not in self._hash_of:
+            self._block_of[key], self._hash_of[block] = block, key
+
+    def held_once(self, block: int) -> bool:
+        """Whether exactly one sequence holds the block (letting go makes it available)."""
+        return self._refs[block] == 1
+
+    def lookup(self, key: bytes) -> int | None:
+        return self._block_of.get(key)
+
+    def acquire(self, block: int) -> None:
+        """Take a reference to a named block (out of the cache if nobody held it)."""
+        if not self._refs[block]:
+            del self._cached[block]
+        self._refs[block] += 1
+
+    def forget(self) -> None:
+        """Free every cached block and drop every name."""
+        self._free.extend(self._cached)
+        self._cached.clear()
+        self._block_of.clear()
+        self._hash_of.clear()
 
 
 def sliding_blocks_per_seq(window: int, block_size: int, max_ctx: int) -> int:
@@ -75,18 +146,25 @@ def sliding_blocks_per_seq(window: int, block_size: int, max_ctx: int) -> int:
 
 
 def pool_blocks(config: Gemma4Config, *, kv_tokens: int, max_seqs: int, prefill_chunk: int, max_ctx: int,
-                block_size: int) -> dict[str, int]:
+                block_size: int, cache_blocks: int = 0) -> dict[str, int]:
     """Blocks per layer type (scratch included) of a pool holding ``kv_tokens`` full-attention
     positions, and on sliding layers the window of ``max_seqs`` decoding sequences plus one
-    step's prompt chunk."""
+    step's prompt chunk and ``cache_blocks`` for the prompt cache's restart windows."""
     kinds = {config.layer_types[i] for i in range(config.first_kv_shared_layer)}
     blocks = {}
     if FULL in kinds:
         blocks[FULL] = math.ceil(kv_tokens / block_size) + 1
     if SLIDING in kinds:
         per_seq = sliding_blocks_per_seq(config.sliding_window, block_size, max_ctx)
-        blocks[SLIDING] = max_seqs * per_seq + math.ceil(prefill_chunk / block_size) + 1
+        blocks[SLIDING] = max_seqs * per_seq + math.ceil(prefill_chunk / block_size) + 1 + cache_blocks
     return blocks
+
+
+def sliding_block_nbytes(config: Gemma4Config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one sliding block over every sliding layer that owns K/V (0 without any)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * block_size * config.layer_head_dim(i) * item
+               for i in range(config.first_kv_shared_layer) if config.layer_types[i] == SLIDING)
 
 
 def pool_nbytes(config: Gemma4Config, blocks: dict[str, int], block_size: int, max_seqs: int, max_ctx: int,
@@ -103,8 +181,9 @@ class KVPool:
     """K/V pages of every KV-owning layer, the block allocators, and the block tables."""
 
     def __init__(self, config: Gemma4Config, blocks: dict[str, int], *, block_size: int, max_seqs: int, max_ctx: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, prompt_cache: bool = True):
         self.config, self.block_size, self.max_seqs, self.max_ctx = config, block_size, max_seqs, max_ctx
+        self.prompt_cache = prompt_cache
         self.window = config.sliding_window
         self.device = device
         self.scratch_row = max_seqs
@@ -138,6 +217,10 @@ class KVPool:
         kind = FULL if FULL in self.blocks else SLIDING
         return (self.blocks[kind] - 1) * self.block_size
 
+    def cached_blocks(self) -> dict[str, int]:
+        """Blocks per layer type kept by the prompt cache and held by no sequence."""
+        return {kind: a.num_cached for kind, a in self.allocators.items()}
+
     def usage(self) -> dict[str, float]:
         """Share of each pool's blocks in use (scratch left out)."""
         return {kind: a.num_used / max(1, a.num_blocks - 1) for kind, a in self.allocators.items()}
@@ -158,14 +241,56 @@ class KVPool:
             raise PoolExhausted("every sequence slot is taken")
         return self._free_slots.pop()
 
-    def close_slot(self, slot: int) -> None:
-        """Give back a slot's blocks and the slot. Its table row keeps stale entries, which
-        nothing reads before the row's next owner writes over them."""
+    def close_slot(self, slot: int, hashes: list[bytes] | None = None) -> None:
+        """Give back a slot's blocks and the slot; with the prompt cache on, the blocks named by
+        ``hashes`` (:meth:`Sequence.computed_block_hashes`) stay cached. The table row keeps stale
+        entries, which nothing reads before the row's next owner writes over them."""
         for kind, held in self._held[slot].items():
-            self.allocators[kind].free([b for b in held if b])
+            self._name(kind, held, 0, len(held), hashes)
+            self.allocators[kind].release([b for b in held if b])
             held.clear()
         self._live_from[slot] = 0
         self._free_slots.append(slot)
+
+    def _name(self, kind: str, held: list[int], start: int, stop: int, hashes: list[bytes] | None) -> None:
+        if self.prompt_cache and hashes:
+            for i in range(start, min(stop, len(hashes))):
+                if held[i]:
+                    self.allocators[kind].register(held[i], hashes[i])
+
+    def attach_prefix(self, slot: int, hashes: list[bytes], limit: int) -> int:
+        """Give an empty slot the cached blocks of the longest prefix named by ``hashes`` that
+        restarts before ``limit`` tokens (at least one token is left to read, for its logits):
+        every full-attention block before the restart point and the sliding blocks its window
+        sees (:mod:`qat4.engine.prefix`). Returns the tokens reused, a multiple of block_size."""
+        if not self.prompt_cache:
+            return 0
+        bs = self.block_size
+        restart = min(len(hashes), (limit - 1) // bs)
+        if FULL in self.allocators:
+            full = self.allocators[FULL]
+            restart = next((i for i in range(restart) if full.lookup(hashes[i]) is None), restart)
+        if SLIDING in self.allocators:
+            sliding = self.allocators[SLIDING]
+            while restart and any(sliding.lookup(hashes[i]) is None for i in range(self._first_kept(restart * bs), restart)):
+                restart -= 1
+        for kind, alloc in self.allocators.items():
+            start = self._first_kept(restart * bs) if kind == SLIDING else 0
+            held = self._held[slot][kind]
+            held.extend([0] * start)
+            for i in range(start, restart):
+                block = alloc.lookup(hashes[i])
+                alloc.acquire(block)
+                held.append(block)
+                self._updates[kind].append((slot, i, block))
+            if kind == SLIDING:
+                self._live_from[slot] = start
+        return restart * bs
+
+    def forget_cached(self) -> None:
+        """Empty the prompt cache (blocks held by running sequences stay held)."""
+        for alloc in self.allocators.values():
+            alloc.forget()
 
     # ---- blocks --------------------------------------------------------------------------------
 
@@ -190,15 +315,15 @@ class KVPool:
     def _freeable(self, slot: int, kind: str, first_query: int) -> int:
         if kind != SLIDING:
             return 0
-        held = self._held[slot][kind]
-        return sum(1 for b in held[self._live_from[slot] : self._first_kept(first_query)] if b)
+        held, alloc = self._held[slot][kind], self.allocators[kind]
+        return sum(1 for b in held[self._live_from[slot] : self._first_kept(first_query)] if b and alloc.held_once(b))
 
-    def grow(self, slot: int, end: int, first_query: int) -> None:
+    def grow(self, slot: int, end: int, first_query: int, hashes: Callable[[], list[bytes]] | None = None) -> None:
         """Hold positions up to ``end`` for queries from ``first_query`` on: give back the sliding
-        blocks out of their reach, then allocate what is missing (raises PoolExhausted, holding
-        what it had)."""
+        blocks out of their reach (cached under ``hashes()`` when the prompt cache is on), then
+        allocate what is missing (raises PoolExhausted, holding what it had)."""
         if SLIDING in self._held[slot]:
-            self._trim(slot, first_query)
+            self._trim(slot, first_query, hashes)
         for kind, n in self.blocks_to_grow(slot, end, first_query).items():
             if not n:
                 continue
@@ -210,12 +335,13 @@ class KVPool:
                 held.append(block)
                 self._updates[kind].append((slot, start + i, block))
 
-    def _trim(self, slot: int, first_query: int) -> None:
+    def _trim(self, slot: int, first_query: int, hashes: Callable[[], list[bytes]] | None) -> None:
         held = self._held[slot][SLIDING]
         stop = min(self._first_kept(first_query), len(held))
         if stop <= self._live_from[slot]:
             return
-        self.allocators[SLIDING].free([b for b in held[self._live_from[slot] : stop] if b])
+        self._name(SLIDING, held, self._live_from[slot], stop, hashes() if hashes and self.prompt_cache else None)
+        self.allocators[SLIDING].release([b for b in held[self._live_from[slot] : stop] if b])
         for i in range(self._live_from[slot], stop):
             held[i] = 0
         self._live_from[slot] = stop

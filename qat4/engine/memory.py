@@ -3,9 +3,11 @@
 Order of claims on the device memory (a cap's, or what the GPU has free): the model; the KV pool's
 full-attention blocks (``kv_tokens``); the sliding-window blocks of ``max_num_seqs`` sequences and
 the decode working memory of that many rows; then the prompt chunk's working memory and the
-autotuner's buffer, the largest of AUTO_PREFILL_CHUNKS that fits. Without an explicit
-``max_num_seqs``, as many sequences as fit with that working memory (up to the default), else as
-many as fit without it; the model, the pool and the decode rows that do not fit are an error.
+autotuner's buffer, the largest of AUTO_PREFILL_CHUNKS that fits; last the prompt cache's extra
+sliding blocks (``prompt_cache_mib``: by default as much of DEFAULT_PROMPT_CACHE_MIB as is left).
+Without an explicit ``max_num_seqs``, as many sequences as fit with that working memory (up to the
+default), else as many as fit without it; the model, the pool and the decode rows that do not fit
+are an error, and so is an explicit prompt cache that does not fit.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import torch
 from qat4.checkpoint.packed_model import PackedModel
 from qat4.checkpoint.packing import PackedTensor
 from qat4.engine.config import MAX_CTX_DEFAULT, EngineConfig
-from qat4.engine.kv_cache import pool_blocks, pool_nbytes
+from qat4.engine.kv_cache import pool_blocks, pool_nbytes, sliding_block_nbytes
 from qat4.errors import Qat4Error
 
 MIB = 1 << 20
 AUTO_PREFILL_CHUNKS = (4096, 2048, 1024, 512, 256)  # prefill_chunk=None picks the largest that fits (CUDA)
 PREFILL_BYTES_PER_TOKEN = 256 << 10  # working memory of one prompt token in a chunk, with headroom
 DEFAULT_MAX_NUM_SEQS = {"cuda": 64, "cpu": 8}
+DEFAULT_PROMPT_CACHE_MIB = 64
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class Plan:
     kv_tokens: int
     blocks: dict[str, int]
     cap: int | None  # bytes, when memory_cap_mib was given
+    prompt_cache: bool = True
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -114,15 +118,20 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig) -> Pla
     cap = _cap_memory(device, config.memory_cap_mib) if config.memory_cap_mib is not None else None
     bs = config.block_size
 
-    def kv(seqs: int, chunk: int) -> tuple[dict[str, int], int]:
+    block_nbytes = sliding_block_nbytes(cfg, bs, dtype)
+    cache_mib = DEFAULT_PROMPT_CACHE_MIB if config.prompt_cache_mib is None else config.prompt_cache_mib
+    cache_blocks = int(cache_mib * MIB) // block_nbytes if block_nbytes else 0
+    on = cache_mib > 0
+
+    def kv(seqs: int, chunk: int, cache: int = 0) -> tuple[dict[str, int], int]:
         blocks = pool_blocks(cfg, kv_tokens=kv_tokens, max_seqs=seqs, prefill_chunk=chunk, max_ctx=max_ctx,
-                             block_size=bs)
+                             block_size=bs, cache_blocks=cache)
         return blocks, pool_nbytes(cfg, blocks, bs, seqs, max_ctx, dtype)
 
     if device.type != "cuda":
         seqs = int(config.max_num_seqs or DEFAULT_MAX_NUM_SEQS["cpu"])
         chunk = int(config.prefill_chunk or min(AUTO_PREFILL_CHUNKS[-1], max_ctx))
-        return Plan(dtype, max_ctx, seqs, chunk, kv_tokens, kv(seqs, chunk)[0], None)
+        return Plan(dtype, max_ctx, seqs, chunk, kv_tokens, kv(seqs, chunk, cache_blocks)[0], None, on)
 
     free = _free_nbytes(device, cap) - model_nbytes(packed, max_ctx, dtype)
     chunks = [config.prefill_chunk] if config.prefill_chunk else [c for c in AUTO_PREFILL_CHUNKS if c <= max_ctx]
@@ -149,4 +158,12 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig) -> Pla
             f"{cap_text(config.memory_cap_mib)}; lower max_ctx, kv_tokens or max_num_seqs"
         )
     chunk = next(c for c in chunks if needed(seqs, c, True) <= free or c == smallest)
-    return Plan(dtype, max_ctx, seqs, chunk, kv_tokens, kv(seqs, chunk)[0], cap)
+    room = free - needed(seqs, chunk, True)
+    if config.prompt_cache_mib is None:  # the default: as much of it as fits
+        cache_blocks = max(0, min(cache_blocks, room // block_nbytes if block_nbytes else 0))
+    elif cache_blocks and cache_blocks * block_nbytes > room:
+        raise Qat4Error(
+            f"a prompt cache of {cache_mib:g} MiB (prompt_cache_mib) does not fit beside the model, the KV pool and "
+            f"their working memory{cap_text(config.memory_cap_mib)}; {max(0, room) / MIB:,.0f} MiB are left"
+        )
+    return Plan(dtype, max_ctx, seqs, chunk, kv_tokens, kv(seqs, chunk, cache_blocks)[0], cap, on)

@@ -47,6 +47,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preempted_total = 0
+        self.cache_queried_tokens = 0  # prompt tokens looked up in the prompt cache at admission
+        self.cache_hit_tokens = 0  # of which the cache held the KV
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Raise Qat4Error when a request of this size could never run, even alone."""
@@ -86,8 +88,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.pending:  # a preempted sequence whose last token is still on its way back
                 break
-            n = self._chunk(seq, budget)
-            if not n or not self._admit(seq, n):
+            n = self._admit(seq, budget)
+            if not n:
                 break
             batch.prefill.append((seq, n))
             budget -= n
@@ -100,21 +102,30 @@ class Scheduler:
         n = min(self.prefill_chunk - start % self.prefill_chunk, seq.num_known - start)
         return n if n <= budget else 0
 
-    def _admit(self, seq: Sequence, n: int) -> bool:
-        """Admit seq with its first chunk of n tokens when the pool has room for its whole prompt
-        beside a block for every running sequence's next step."""
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Admit seq when the pool has room for its whole prompt beside a block for every running
+        sequence's next step, its KV read from the prompt cache as far as it reaches; returns
+        the tokens of its first chunk (0: not admitted)."""
         slot = self.pool.open_slot()
+        bs = self.pool.block_size
+        hit = self.pool.attach_prefix(slot, seq.block_hashes(bs, seq.num_known), seq.num_known)
+        seq.num_computed = hit
+        n = self._chunk(seq, budget)
         whole = self.pool.blocks_to_grow(slot, seq.num_known, seq.num_known - 1)
         spare = len(self.running)
-        if any(self.pool.allocators[kind].num_free < need + spare for kind, need in whole.items()):
+        if not n or any(self.pool.allocators[kind].num_free < need + spare for kind, need in whole.items()):
             self.pool.close_slot(slot)
-            return False
+            seq.num_computed = 0
+            return 0
         self.waiting.popleft()
-        self.pool.grow(slot, n, 0)
-        seq.state, seq.slot = State.RUNNING, slot
-        seq.started = seq.started or time.perf_counter()
+        self.pool.grow(slot, hit + n, hit)
+        seq.state, seq.slot, seq.new_slot = State.RUNNING, slot, True
+        if not seq.started:
+            seq.started, seq.cached_tokens = time.perf_counter(), hit
+        self.cache_queried_tokens += seq.num_known
+        self.cache_hit_tokens += hit
         self.running.append(seq)
-        return True
+        return n
 
     def _grow(self, seq: Sequence, end: int, preempt_self: bool) -> bool:
         """Hold KV for seq's positions up to ``end``, preempting newer sequences while the pool is
@@ -128,7 +139,7 @@ class Scheduler:
             self.preempt(victim)
             if victim is seq:
                 return False
-        self.pool.grow(seq.slot, end, seq.num_computed)
+        self.pool.grow(seq.slot, end, seq.num_computed, lambda: seq.computed_block_hashes(self.pool.block_size))
         return True
 
     # ---- leaving -----------------------------------------------------------------------------
@@ -136,7 +147,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Give back seq's KV; it waits at the front of the queue to be read again."""
         self.running.remove(seq)
-        self.pool.close_slot(seq.slot)
+        self.pool.close_slot(seq.slot, seq.computed_block_hashes(self.pool.block_size))
         seq.state, seq.slot, seq.num_computed = State.WAITING, None, 0
         seq.preemptions += 1
         self.preempted_total += 1
@@ -150,7 +161,7 @@ class Scheduler:
             return
         if seq.state is State.RUNNING:
             self.running.remove(seq)
-            self.pool.close_slot(seq.slot)
+            self.pool.close_slot(seq.slot, seq.computed_block_hashes(self.pool.block_size))
         else:
             self.waiting.remove(seq)
         seq.state, seq.slot = State.FINISHED, None

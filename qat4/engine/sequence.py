@@ -15,6 +15,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from qat4.engine.prefix import extend_block_hashes
 from qat4.engine.sampler import SamplingParams
 
 _ids = itertools.count()
@@ -47,6 +48,9 @@ class Sequence:
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     preemptions: int = 0
+    new_slot: bool = False  # admitted since its sampling parameters were last set on the device
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache at admission
+    _hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
     def tokens(self) -> list[int]:
@@ -79,6 +83,18 @@ class Sequence:
     def wants_token(self) -> bool:
         """Whether a step that reaches ``length`` should sample another token."""
         return self.launched_outputs < self.max_new_tokens
+
+    def block_hashes(self, block_size: int, n_tokens: int) -> list[bytes]:
+        """Names (:mod:`qat4.engine.prefix`) of the blocks within the first ``n_tokens`` known
+        tokens."""
+        n = min(n_tokens, self.num_known) // block_size
+        if n > len(self._hashes):
+            extend_block_hashes(self._hashes, self.tokens, block_size, n)
+        return self._hashes[:n]
+
+    def computed_block_hashes(self, block_size: int) -> list[bytes]:
+        """Names of the blocks whose K/V are all written, for known tokens."""
+        return self.block_hashes(block_size, self.num_computed)
 
     def accept(self, token: int, now: float) -> bool:
         """Take a token read back from the device; True when it ends the sequence (a stop id or

@@ -39,7 +39,6 @@ from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
 
 _NO_WINDOW = 1 << 30  # window value that masks nothing
 _MAX_SPLITS = 256
-_REFERENCE_SCORE_ELEMENTS = 1 << 24  # fp32 scores per chunk of the reference (64 MiB)
 
 
 class PagedSeqs(NamedTuple):
@@ -62,26 +61,11 @@ class PagedSeqs(NamedTuple):
 # Reference
 
 
-def _masked_attention_reference(q, k, v, q_pos, k_pos, window):
-    """q [T, H, D]; k, v [S, D]; q_pos [T], k_pos [S] (int tensors) -> [T, H, D] in q.dtype.
-
-    Explicit fp32 matmul / softmax (never SDPA with broadcast K/V), chunked over tokens.
-    """
-    T, H, _ = q.shape
-    kp = k_pos.reshape(1, -1).long()
-    kf, vf = k.float(), v.float()
-    out = torch.empty_like(q)
-    step = max(1, _REFERENCE_SCORE_ELEMENTS // (H * k.shape[0]))
-    for t0 in range(0, T, step):
-        qp = q_pos[t0 : t0 + step].reshape(-1, 1).long()
-        visible = kp <= qp
-        if window is not None:
-            visible &= kp > qp - window
-        scores = q[t0 : t0 + step].float() @ kf.T
-        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-        out[t0 : t0 + step] = (probs @ vf).to(q.dtype)
-    return out
+def _query_attention_reference(q, k, v):
+    """One query token q [H, D] over exactly the keys it sees, k, v [S, D] -> [H, D] in q.dtype:
+    explicit fp32 matmul and softmax, never SDPA with broadcast K/V."""
+    probs = torch.softmax(q.float() @ k.float().T, dim=-1)
+    return (probs @ v.float()).to(q.dtype)
 
 
 def paged_attention_reference(
@@ -98,21 +82,23 @@ def paged_attention_reference(
     """Attention of the query tokens of several sequences over their pages of a layer's pool.
 
     q [T, H, D] (rows of the sequences back to back, see :class:`PagedSeqs`); k_pool, v_pool
-    [num_blocks * block_size, D]; block_table [R, max_blocks] int32. Each sequence gathers exactly
-    the keys its queries can see (positions min(q_pos) - W + 1 .. max(q_pos), or from 0 without a
-    window). Returns [T, H, D] in q.dtype, written into ``out`` when given.
+    [num_blocks * block_size, D]; block_table [R, max_blocks] int32. Returns [T, H, D] in q.dtype,
+    written into ``out`` when given.
+
+    Each query token attends on its own to exactly the keys it sees (positions p - W + 1 .. p, or
+    from 0 without a window), gathered through its sequence's table row: its result depends on its
+    position and the K/V before it, never on which tokens share its step or where a chunk began,
+    so a prompt read from any block boundary on (a prompt-cache hit) or token by token (a decode)
+    gets the same fp32 results as one read whole.
     """
     out = torch.empty_like(q) if out is None else out
-    cu, rows = seqs.cu_q.tolist(), seqs.rows.tolist()
+    cu, rows, positions = seqs.cu_q.tolist(), seqs.rows.tolist(), seqs.positions.tolist()
     for b, row in enumerate(rows):
-        t0, t1 = cu[b], cu[b + 1]
-        if t0 == t1:
-            continue
-        q_pos = seqs.positions[t0:t1]
-        lo = 0 if window is None else max(0, int(q_pos.min()) - window + 1)
-        k_pos = torch.arange(lo, int(q_pos.max()) + 1, device=q.device)
-        slots = block_table[row, k_pos // block_size].long() * block_size + k_pos % block_size
-        out[t0:t1] = _masked_attention_reference(q[t0:t1], k_pool[slots], v_pool[slots], q_pos, k_pos, window)
+        for t in range(cu[b], cu[b + 1]):
+            p = positions[t]
+            k_pos = torch.arange(0 if window is None else max(0, p - window + 1), p + 1, device=q.device)
+            slots = block_table[row, k_pos // block_size].long() * block_size + k_pos % block_size
+            out[t] = _query_attention_reference(q[t], k_pool[slots], v_pool[slots])
     return out
 
 

@@ -50,7 +50,8 @@ class GenerationParams:
 
 @dataclass
 class Timings:
-    """llama.cpp-style timings. prompt_ms runs from the start of the generation to the first token
+    """llama.cpp-style timings. prompt_n counts the prompt tokens read, cache_n those whose KV came
+    from the prompt cache; prompt_ms runs from the start of the generation to the first token
     (prompt read, first token picked), predicted_ms from the first token to the last; the decode
     rate counts the tokens after the first over predicted_ms, and is None with fewer than two."""
 
@@ -58,11 +59,13 @@ class Timings:
     prompt_ms: float
     predicted_n: int
     predicted_ms: float
+    cache_n: int = 0
 
     def as_dict(self) -> dict[str, float | None]:
         steps = self.predicted_n - 1  # a rate needs two decode steps: the first was enqueued before token 1 came back
         decode_per_s = round(steps / self.predicted_ms * 1e3, 2) if steps >= 2 and self.predicted_ms > 0 else None
         return {
+            "cache_n": self.cache_n,
             "prompt_n": self.prompt_n,
             "prompt_ms": round(self.prompt_ms, 3),
             "prompt_per_second": round(self.prompt_n / self.prompt_ms * 1e3, 2) if self.prompt_ms > 0 else 0.0,
@@ -82,6 +85,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     timings: Timings
+    cached_tokens: int = 0  # of prompt_tokens, read from the prompt cache
 
 
 class IncrementalDecoder:
@@ -324,6 +328,8 @@ class EngineLoop:
         m.busy.set(1 if scheduler.running else 0)
         for kind, share in self.engine.pool.usage().items():
             m.kv_usage.set(share, kind)
+        for kind, blocks in self.engine.pool.cached_blocks().items():
+            m.cached_blocks.set(blocks, kind)
         m.batch_size.observe(len(scheduler.running))
 
 
@@ -365,11 +371,14 @@ class Generation:
                 yield tail
         finally:
             self.cancel()
+            cached = job.seq.cached_tokens if job.seq is not None else 0
             metrics.prompt_tokens.inc(amount=len(job.prompt_ids))
+            metrics.cache_hits.inc(amount=cached)
+            metrics.cache_misses.inc(amount=len(job.prompt_ids) - cached)
             metrics.generated_tokens.inc(amount=n)
         end = time.perf_counter()
         reason = "stop" if by_token or stops.hit or n < job.params.max_tokens else "length"
         metrics.generations.inc(reason)
         prompt_ms = ((first if n else end) - (job.started_at or self._arrived)) * 1e3
-        timings = Timings(len(job.prompt_ids), prompt_ms, n, (end - first) * 1e3 if n else 0.0)
-        yield Finished(reason, len(job.prompt_ids), n, timings)
+        timings = Timings(len(job.prompt_ids) - cached, prompt_ms, n, (end - first) * 1e3 if n else 0.0, cached)
+        yield Finished(reason, len(job.prompt_ids), n, timings, cached)

@@ -132,6 +132,8 @@ class Metrics:
         self._lock = lock
         self.requests = Counter("qat4_requests_total", "HTTP requests by endpoint and status code.", ("endpoint", "status"), lock)
         self.prompt_tokens = Counter("qat4_prompt_tokens_total", "Prompt tokens read by finished generations.", (), lock)
+        self.cache_hits = Counter("qat4_prompt_cache_hit_tokens_total", "Prompt tokens of finished generations whose KV came from the prompt cache.", (), lock)
+        self.cache_misses = Counter("qat4_prompt_cache_miss_tokens_total", "Prompt tokens of finished generations read from scratch.", (), lock)
         self.generated_tokens = Counter("qat4_generated_tokens_total", "Tokens generated.", (), lock)
         self.generations = Counter("qat4_generations_total", "Generations by finish reason.", ("finish_reason",), lock)
         self.rejected = Counter("qat4_queue_rejections_total", "Requests answered 429 because the queue was full.", (), lock)
@@ -141,12 +143,13 @@ class Metrics:
         self.running = Gauge("qat4_running_sequences", "Sequences in the running batch.", (), lock)
         self.busy = Gauge("qat4_engine_busy", "1 while the engine is generating.", (), lock)
         self.kv_usage = Gauge("qat4_kv_pool_usage", "Share of the KV pool's blocks in use, by layer type.", ("layer_type",), lock)
+        self.cached_blocks = Gauge("qat4_prompt_cache_blocks", "KV blocks the prompt cache keeps that no running sequence holds, by layer type.", ("layer_type",), lock)
         self.batch_size = Histogram("qat4_batch_size", "Sequences in the running batch, once per engine step.", BATCH_BUCKETS, lock)
 
     def render(self) -> str:
         with self._lock:
-            metrics = (self.requests, self.prompt_tokens, self.generated_tokens, self.generations, self.rejected,
-                       self.latency, self.ttft, self.queue_depth, self.running, self.busy, self.kv_usage,
-                       self.batch_size)
+            metrics = (self.requests, self.prompt_tokens, self.cache_hits, self.cache_misses, self.generated_tokens,
+                       self.generations, self.rejected, self.latency, self.ttft, self.queue_depth, self.running,
+                       self.busy, self.kv_usage, self.cached_blocks, self.batch_size)
             lines = [line for m in metrics for line in m.render()]
         return "\n".join(lines) + "\n"

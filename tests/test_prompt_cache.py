@@ -1,0 +1,137 @@
+"""The prompt cache on the CPU (fp32 reference ops): a request whose prefix an earlier one read gets
+exactly the tokens and logits of a cold read while reading only the rest, for histories several
+sliding windows long, a history edited in the middle, a reply re-rendered differently, and beside
+other running sequences; cached blocks give way to running sequences and nothing leaks.
+
+The tiny model's window is 8 positions and the pool's blocks hold 4.
+"""
+
+import pytest
+import torch
+
+from qat4.checkpoint.synth import synthetic_model
+from qat4.config import TINY
+from qat4.engine import Engine
+from qat4.engine.kv_cache import BlockAllocator
+from qat4.engine.prefix import extend_block_hashes
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, TINY.vocab_size, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def packed():
+    return synthetic_model(TINY, seed=0)
+
+
+def make_engine(packed, **options) -> Engine:
+    return Engine.from_packed(packed, "cpu", **{"max_ctx": 256, "prefill_chunk": 8, "block_size": 4, **options})
+
+
+def run(engine: Engine, requests: list[list[int]], new: int = 8, others: list[list[int]] = ()) -> list:
+    """Greedy runs of ``requests`` (after ``others`` have started) -> per request (output tokens,
+    logits of every sampled row, cached tokens)."""
+    seen = {}
+
+    def recording(h, slots, positions, keep):
+        owners = {s.slot: s for s in engine.scheduler.running}
+        logits = engine.model.logits(h)
+        for row, (slot, pos) in enumerate(zip(slots.tolist(), positions.tolist())):
+            seen[(owners[slot].id, pos)] = logits[row].clone()
+        return logits.argmax(-1)
+
+    engine.runner.pick = recording
+    background = [engine.add_request(p, 12, temperature=0, stop_token_ids=[]) for p in others]
+    for _ in range(3 if others else 0):
+        engine.step()
+    seqs = [engine.add_request(p, new, temperature=0, stop_token_ids=[]) for p in requests]
+    engine.drain()
+    del engine.runner.pick
+    assert all(s.finished for s in background)
+    return [(s.output, [seen[k] for k in sorted(seen) if k[0] == s.id], s.cached_tokens) for s in seqs]
+
+
+def same(a, b) -> bool:
+    return a[0] == b[0] and len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+def test_a_cached_conversation_gives_exactly_the_cold_results(packed):
+    warm, cold = make_engine(packed), make_engine(packed, prompt_cache_mib=0)
+    history = [TINY.bos_token_id] + tokens(61, 1)  # several windows of 8
+    (reply, _, first_hit), = run(warm, [history])
+    assert first_hit == 0
+    turn2 = history + reply + tokens(13, 2)
+    (hot,) = run(warm, [turn2])
+    (ref,) = run(cold, [turn2])
+    assert same(hot, ref) and ref[2] == 0
+    # everything but the reply's last token (its K/V was never written) and the block it ends in
+    assert hot[2] == (len(history) + len(reply) - 1) // 4 * 4
+
+
+@pytest.mark.parametrize("edit", ["middle", "reply"])
+def test_a_history_that_diverges_reuses_up_to_the_block_before_the_difference(packed, edit):
+    warm, cold = make_engine(packed), make_engine(packed, prompt_cache_mib=0)
+    history = [TINY.bos_token_id] + tokens(70, 3)
+    (reply, _, _), = run(warm, [history])
+    if edit == "middle":  # an earlier message edited at position 30
+        turn2, diverges = history[:30] + tokens(40, 4) + reply, 30
+    else:  # the reply re-rendered (thinking dropped): differs from its first token on
+        turn2, diverges = history + tokens(9, 5) + tokens(6, 6), len(history)
+    (hot,) = run(warm, [turn2])
+    (ref,) = run(cold, [turn2])
+    assert same(hot, ref)
+    assert hot[2] == diverges // 4 * 4
+
+
+def test_hits_beside_running_sequences_and_between_requests(packed):
+    warm, cold = make_engine(packed), make_engine(packed, prompt_cache_mib=0)
+    system = [TINY.bos_token_id] + tokens(40, 7)
+    first = run(warm, [system + tokens(5, 8)])
+    others = [[TINY.bos_token_id] + tokens(20 + 3 * i, 9 + i) for i in range(3)]
+    asks = [system + tokens(6 + i, 20 + i) for i in range(3)]
+    hot = run(warm, asks, others=others)
+    ref = run(cold, asks, others=others)
+    assert first[0][2] == 0
+    assert all(same(h, r) for h, r in zip(hot, ref))
+    assert all(h[2] == 40 for h in hot)  # the shared 41 tokens up to the block before the 41st
+    assert warm.scheduler.cache_hit_tokens >= 120
+
+
+def test_cached_blocks_give_way_to_running_sequences_and_nothing_leaks(packed):
+    engine = make_engine(packed, max_num_seqs=4, kv_tokens=96, prompt_cache_mib=0.001)
+    pool = engine.pool
+    run(engine, [[TINY.bos_token_id] + tokens(40, 30 + i) for i in range(2)])
+    assert all(n > 0 for n in pool.cached_blocks().values())
+    # four requests that need nearly the whole pool: the cache is evicted, none is preempted
+    run(engine, [[TINY.bos_token_id] + tokens(14, 40 + i) for i in range(4)], new=6)
+    assert engine.scheduler.preempted_total == 0
+    assert all(a.num_used == 0 for a in pool.allocators.values()) and pool.num_free_slots == 4
+    pool.forget_cached()
+    assert all(n == 0 for n in pool.cached_blocks().values())
+    assert all(a.num_free == a.num_blocks - 1 for a in pool.allocators.values())
+
+
+def test_off_means_no_hits(packed):
+    engine = make_engine(packed, prompt_cache_mib=0)
+    p = [TINY.bos_token_id] + tokens(30, 50)
+    run(engine, [p])
+    assert run(engine, [p + tokens(4, 51)])[0][2] == 0
+    assert all(n == 0 for n in engine.pool.cached_blocks().values())
+
+
+def test_the_allocator_caches_named_blocks_and_evicts_the_oldest_tails_first():
+    a = BlockAllocator(8)
+    blocks = a.allocate(3)
+    names = extend_block_hashes([], list(range(12)), 4, 3)
+    for block, name in zip(blocks, names):
+        a.register(block, name)
+    a.release(blocks)  # the tail is cached first, so evicted first
+    assert a.num_cached == 3 and a.num_free == 7 and a.num_used == 0
+    a.acquire(a.lookup(names[0]))
+    assert a.num_cached == 2 and a.num_used == 1
+    got = a.allocate(5)  # 4 free, then the oldest cached: the last block of the chain
+    assert blocks[2] in got and a.lookup(names[2]) is None and a.lookup(names[1]) == blocks[1]
+    assert extend_block_hashes([], list(range(12)), 4, 3) == names
+    assert extend_block_hashes([], [0, 1, 2, 4] + list(range(4, 12)), 4, 3)[0] != names[0]
