@@ -46,12 +46,12 @@ STOP_MARKERS = (TURN_CLOSE, RESPONSE_OPEN, EOS_TEXT)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TEMPLATE_RESOURCE = "chat_template.jinja"
+MAX_ARGUMENT_DEPTH = 64  # nesting levels of tool-call arguments the template renders (it recurses per level)
 
 
 # ---------------------------------------------------------------------------------------------
 # Prompt rendering
 # ---------------------------------------------------------------------------------------------
-
 
 def render_prompt(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                   enable_thinking: bool = False, add_generation_prompt: bool = True,
@@ -66,7 +66,8 @@ def render_prompt(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise Qat4Error("messages must be a non-empty list of messages")
-    compiled = _compile(template if template is not None else default_chat_template())
+    template = default_chat_template() if template is None else template
+    compiled = _compile(template, template != default_chat_template())
     context = {
         "messages": _adapt_messages(messages),
         "tools": _adapt_tools(tools) or None,
@@ -92,18 +93,23 @@ def _raise_template_error(message: str) -> None:
 
 
 @functools.cache
-def _environment() -> ImmutableSandboxedEnvironment:
-    """The jinja2 environment chat templates are written for."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+def _environment(sandboxed: bool) -> jinja2.Environment:
+    """The jinja2 environment chat templates are written for: sandboxed for a template that came
+    with a checkpoint; plain for the canonical one shipped with qat4, which renders the same text
+    about 12 times faster (the sandbox checks every attribute access, and Gemma 4's template
+    scans the messages after each message, so its cost grows with their square: 1,000 short
+    messages took 5.2 s sandboxed, 0.47 s plain)."""
+    kind = ImmutableSandboxedEnvironment if sandboxed else jinja2.Environment
+    env = kind(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise_template_error
     return env
 
 
 @functools.lru_cache(maxsize=8)
-def _compile(source: str) -> jinja2.Template:
+def _compile(source: str, sandboxed: bool) -> jinja2.Template:
     """A chat template compiled once per distinct text."""
     try:
-        return _environment().from_string(source)
+        return _environment(sandboxed).from_string(source)
     except jinja2.TemplateError as exc:
         raise Qat4Error(f"the chat template is not valid jinja: {exc}") from None
 
@@ -196,9 +202,27 @@ def _arguments(arguments: Any, where: str) -> dict[str, Any]:
             arguments = json.loads(arguments)
         except ValueError:
             raise Qat4Error(f"{where} is not valid JSON") from None
+        except RecursionError:
+            raise Qat4Error(f"{where} nests deeper than {MAX_ARGUMENT_DEPTH} levels") from None
     if not isinstance(arguments, Mapping):
         raise Qat4Error(f"{where} is not a JSON object")
+    if _deeper_than(arguments, MAX_ARGUMENT_DEPTH):
+        raise Qat4Error(f"{where} nests deeper than {MAX_ARGUMENT_DEPTH} levels")
     return dict(arguments)
+
+
+def _deeper_than(value: Any, levels: int) -> bool:
+    """Whether lists and objects in ``value`` nest deeper than ``levels`` (without recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > levels:
+            return True
+        if isinstance(item, Mapping):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return False
 
 
 def _attach_tool_result(message: Mapping[str, Any], where: str, adapted: list[dict[str, Any]]) -> None:

@@ -199,7 +199,7 @@ def test_decode_rate_needs_two_decode_steps(real):
 def test_metrics_move(real):
     before = httpx.get(real.url + "/metrics").text
     openai_client(real).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    httpx.post(real.url + "/v1/chat/completions", content=b"{")
+    httpx.post(real.url + "/v1/chat/completions", content=b"{", headers={"Content-Type": "application/json"})
     after = httpx.get(real.url + "/metrics")
     assert after.headers["content-type"].startswith("text/plain")
     ok, bad = ('qat4_requests_total{endpoint="/v1/chat/completions",status="%s"}' % s for s in ("200", "400"))
@@ -494,9 +494,11 @@ def test_serve_command_builds_the_app(monkeypatch, tmp_path):
     assert seen["config"].host == "127.0.0.1" and seen["config"].port == 9999
     app = seen["config"].app
     assert app.state.model_name == "my-gemma" and app.state.engine_loop.max_waiting == 3
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1:9999") as client:
         assert client.get("/v1/models").status_code == 401
         assert client.get("/v1/models", headers={"Authorization": "Bearer k"}).json()["data"][0]["id"] == "my-gemma"
+        # listening on loopback: another Host name (a rebound DNS name) reaches nothing
+        assert client.get("/health", headers={"Host": "evil.example:9999"}).status_code == 403
 
 
 SERVE_SCRIPTED = """

@@ -1,4 +1,4 @@
-"""`qat4 serve`: the OpenAI-compatible HTTP server and web chat page (docs/server.md)."""
+"""`qat4 serve`: the OpenAI-compatible HTTP server and web chat page (README, "Server")."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import uvicorn
 
 from qat4.commands.model_args import add_model_arguments, load_engine, resolve_device
 from qat4.errors import Qat4Error
+from qat4.server.limits import CHARS_PER_CONTEXT_TOKEN, DEFAULT_MAX_MESSAGES, DEFAULT_MAX_TOOLS, RequestLimits
 
 DEFAULT_PORT = 8100
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_MAX_QUEUE = 256
 SHUTDOWN_GRACE_S = 5  # on Ctrl-C, answers still streaming after this long are cut (and their generation cancelled)
 
@@ -42,6 +44,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "is short; 0 turns the cache off)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
                    help=f"requests that may wait to join the batch; more get 429 (default: {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--allowed-origins", default="", metavar="ORIGINS",
+                   help="comma-separated web origins (e.g. http://localhost:3000) whose pages may call this "
+                        "server, or '*' for any; others are refused with 403 (default: none but the server's own)")
+    p.add_argument("--max-messages", type=int, default=None, metavar="N",
+                   help=f"messages a chat request may have (default: {DEFAULT_MAX_MESSAGES})")
+    p.add_argument("--max-tools", type=int, default=None, metavar="N",
+                   help=f"tools a chat request may declare (default: {DEFAULT_MAX_TOOLS})")
+    p.add_argument("--max-prompt-chars", type=int, default=None, metavar="N",
+                   help=f"characters of text a request's prompt may have (default: {CHARS_PER_CONTEXT_TOKEN} per token "
+                        "of context)")
     p.add_argument("--model-name", default=None, metavar="NAME", help="model id reported by /v1/models (default: derived from --model)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level (default: info)")
@@ -78,13 +90,20 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_queue < 0:
         raise Qat4Error(f"--max-queue must be >= 0, got {args.max_queue}")
+    for flag in ("max_messages", "max_tools", "max_prompt_chars"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise Qat4Error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     device = resolve_device(args.device)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    if args.host not in LOOPBACK_HOSTS and not args.api_key:
         print(f"qat4 serve: warning: listening on {args.host} without --api-key; anyone who can reach it can use it",
               file=sys.stderr)
     engine = load_engine("serve", args.model, device, max_ctx=args.max_ctx, memory_cap_mib=args.memory_cap_mib,
                          max_num_seqs=args.max_num_seqs, kv_tokens=args.kv_tokens, prompt_cache_mib=args.prompt_cache_mib)
-    app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue,
+    limits = RequestLimits.for_context(engine.max_ctx, max_messages=args.max_messages, max_tools=args.max_tools,
+                                       max_prompt_chars=args.max_prompt_chars)
+    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
+    app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, limits=limits, allowed_origins=origins,
+                     loopback_only=args.host in LOOPBACK_HOSTS,
                      model_name=args.model_name or model_name_for(args.model))
     print(f"qat4 serve: {app.state.model_name}, context {engine.max_ctx} tokens, on http://{args.host}:{args.port}/",
           file=sys.stderr)

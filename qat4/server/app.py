@@ -10,11 +10,12 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from importlib import resources
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -28,6 +29,7 @@ from qat4.errors import Qat4Error
 from qat4.server.completions import Completions
 from qat4.server.errors import APIError, bad_request
 from qat4.server.generation import EngineLoop, Generation
+from qat4.server.limits import RequestLimits
 from qat4.server.metrics import Metrics
 from qat4.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Model,
                                  TokenizeRequest, parse_body)
@@ -36,23 +38,63 @@ log = logging.getLogger("qat4.server")
 
 PUBLIC_PATHS = frozenset({"/", "/health"})
 MAX_BODY_BYTES = 64 << 20
+BODY_TIMEOUT_S = 60.0  # a body that trickles in slower holds a connection for nothing
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_GONE = 499  # status recorded for requests whose client disconnected (nginx's convention)
 MODEL_ROUTE = "/v1/models/{id}"  # the endpoint label of every /v1/models/ID request
 
 
+def _is_loopback(host: str) -> bool:
+    """Whether a Host header names this machine's loopback: localhost, 127.x.x.x or [::1], any port."""
+    name = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] if host.count(":") == 1 else host
+    name = name.lower().rstrip(".")
+    return name in ("localhost", "::1") or name.endswith(".localhost") or name.startswith("127.")
+
+
 class Gate:
-    """ASGI middleware: API-key check, request metrics, and a JSON 500 for unexpected exceptions."""
+    """ASGI middleware, in order: the Host and Origin rules that keep web pages on other sites
+    away from a local server, the API-key check, JSON-only POST bodies; request metrics and a
+    JSON 500 for unexpected exceptions.
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, metrics: Metrics, endpoints: frozenset[str]):
+    - ``loopback_only`` (a server listening on loopback): a Host that does not name loopback is
+      refused (403), so a web page whose DNS name is rebound to 127.0.0.1 reaches nothing.
+    - A request with an ``Origin`` other than the server's own (a browser sends it from every other
+      site's page) is refused (403) unless ``allowed_origins`` lists it, or holds ``*``.
+    - A POST whose Content-Type is not ``application/json`` is refused (415): a browser sends
+      ``text/plain`` across origins without asking first, JSON only after a preflight.
+    """
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, metrics: Metrics, endpoints: frozenset[str],
+                 allowed_origins: frozenset[str] = frozenset(), loopback_only: bool = False):
         self.app, self.api_key, self.metrics, self.endpoints = app, api_key, metrics, endpoints
+        self.allowed_origins, self.loopback_only = allowed_origins, loopback_only
 
-    def _authorized(self, scope: Scope) -> bool:
-        if not self.api_key or scope["path"] in PUBLIC_PATHS:
-            return True
-        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = header.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+    def _refusal(self, scope: Scope) -> APIError | None:
+        headers: dict[bytes, list[str]] = {}
+        for key, value in scope["headers"]:
+            headers.setdefault(key, []).append(value.decode("latin-1"))
+        host = (headers.get(b"host") or [""])[0]
+        if self.loopback_only and not _is_loopback(host):
+            return APIError(403, f"The Host {host!r} is refused: this server listens on loopback and answers only "
+                                 "to localhost, 127.0.0.1 or [::1].", type="permission_error")
+        origin = (headers.get(b"origin") or [None])[0]
+        if origin is not None and not (origin in self.allowed_origins or "*" in self.allowed_origins
+                                       or urlsplit(origin).netloc.lower() == host.lower()):
+            return APIError(403, f"Requests from pages at {origin} are refused; start qat4 serve with "
+                                 f"--allowed-origins {origin} to allow them.", type="permission_error")
+        auth = headers.get(b"authorization", [])
+        if len(auth) > 1:
+            return bad_request("The request has more than one Authorization header.")
+        if self.api_key and scope["path"] not in PUBLIC_PATHS:
+            scheme, _, token = (auth or [""])[0].partition(" ")
+            if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())):
+                return APIError(401, "Missing or wrong API key; send 'Authorization: Bearer KEY'.",
+                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        media = (headers.get(b"content-type") or [""])[0].partition(";")[0].strip().lower()
+        if scope["method"] == "POST" and media != "application/json":
+            return APIError(415, f"POST bodies must be JSON, sent with 'Content-Type: application/json' "
+                                 f"(this one came as {media or 'no type'!r}).")
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -66,12 +108,11 @@ class Gate:
             await send(message)
 
         try:
-            if self._authorized(scope):
+            refusal = self._refusal(scope)
+            if refusal is None:
                 await self.app(scope, receive, tracked_send)
             else:
-                error = APIError(401, "Missing or wrong API key; send 'Authorization: Bearer KEY'.",
-                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                await error.response()(scope, receive, tracked_send)
+                await refusal.response()(scope, receive, tracked_send)
         except ClientDisconnect:  # gone while sending its body: nobody to answer
             state["status"] = CLIENT_GONE
         except Exception as exc:
@@ -88,13 +129,18 @@ class Gate:
 
 
 async def parse(model: type[Model], request: Request) -> Model:
-    """The request body (at most MAX_BODY_BYTES) validated as `model`, parsed off the event loop."""
+    """The request body (at most MAX_BODY_BYTES, sent within BODY_TIMEOUT_S) validated as `model`,
+    parsed off the event loop."""
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"The request body is larger than {MAX_BODY_BYTES >> 20} MiB.")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise APIError(413, f"The request body is larger than {MAX_BODY_BYTES >> 20} MiB.")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {BODY_TIMEOUT_S:g} s.") from None
     return await asyncio.to_thread(parse_body, model, b"".join(chunks))
 
 
@@ -132,15 +178,17 @@ async def respond(request: Request, gen: Generation, streamed: bool,
 
 
 def create_app(engine: Any, *, api_key: str | None = None, max_queue: int = 64,
-               model_name: str = "gemma-4-e2b-it") -> FastAPI:
+               model_name: str = "gemma-4-e2b-it", limits: RequestLimits | None = None,
+               allowed_origins: Sequence[str] = (), loopback_only: bool = False) -> FastAPI:
     """The server app over a loaded engine (anything with the Engine's encode / add_request / step /
     abort / tokenizer / config / max_ctx surface). At most `max_queue` requests wait to join the
-    running batch; more get 429."""
+    running batch; more get 429. `limits` bound each request (default: RequestLimits for the
+    engine's context); `allowed_origins` and `loopback_only` as :class:`Gate` says."""
     if engine.tokenizer is None:
         raise Qat4Error("the model has no tokenizer; the server needs one to render chats and decode replies")
     metrics = Metrics()
     loop = EngineLoop(engine, DEFAULT_STOP_IDS, max_queue, metrics)
-    completions = Completions(engine, loop, model_name)
+    completions = Completions(engine, loop, model_name, limits or RequestLimits.for_context(engine.max_ctx))
     tokenizer = engine.tokenizer
     page = resources.files("qat4.server").joinpath("static/index.html").read_text(encoding="utf-8")
 
@@ -169,7 +217,7 @@ def create_app(engine: Any, *, api_key: str | None = None, max_queue: int = 64,
     async def index() -> HTMLResponse:
         return HTMLResponse(page)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         if loop.failure is not None:
             return JSONResponse({"status": "error", "model": model_name, "error": str(loop.failure)}, status_code=503)
@@ -234,5 +282,6 @@ def create_app(engine: Any, *, api_key: str | None = None, max_queue: int = 64,
         return {"prompt": (await asyncio.to_thread(completions.render, req)).text}
 
     endpoints = frozenset(r.path for r in app.routes if hasattr(r, "path")) - {"/v1/models/{model_id:path}"}
-    app.add_middleware(Gate, api_key=api_key, metrics=metrics, endpoints=endpoints)
+    app.add_middleware(Gate, api_key=api_key, metrics=metrics, endpoints=endpoints,
+                       allowed_origins=frozenset(o.rstrip("/") for o in allowed_origins), loopback_only=loopback_only)
     return app

@@ -22,6 +22,7 @@ from qat4.errors import Qat4Error
 from qat4.server.chat_prompt import ChatPrompt, build_chat_prompt
 from qat4.server.errors import APIError, bad_request
 from qat4.server.generation import EngineLoop, Finished, Generation, GenerationParams, QueueFull, ShuttingDown
+from qat4.server.limits import RequestLimits
 from qat4.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 
@@ -92,8 +93,8 @@ def _error_event(exc: Exception) -> dict[str, Any]:
 class Completions:
     """The OpenAI completion endpoints over one engine and its step loop."""
 
-    def __init__(self, engine: Any, loop: EngineLoop, model_name: str):
-        self.engine, self.loop, self.model_name = engine, loop, model_name
+    def __init__(self, engine: Any, loop: EngineLoop, model_name: str, limits: RequestLimits = RequestLimits()):
+        self.engine, self.loop, self.model_name, self.limits = engine, loop, model_name, limits
         self.tokenizer = engine.tokenizer
 
     # ---- requests -> prompt ids ----------------------------------------------------------------
@@ -129,7 +130,9 @@ class Completions:
             raise bad_request(str(exc), param=param) from None
 
     def render(self, req: ChatCompletionRequest) -> ChatPrompt:
-        """The prompt a chat request becomes, with the checkpoint's chat template."""
+        """The prompt a chat request becomes, with the checkpoint's chat template, once the request
+        is within the limits (the template's cost grows with the square of the messages)."""
+        self.limits.check_chat(req)
         return build_chat_prompt(req, self.tokenizer.chat_template)
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
@@ -142,6 +145,7 @@ class Completions:
 
     def prepare_text(self, req: CompletionRequest) -> Prepared:
         """Encode a raw prompt and check it fits the context (CPU work: call off the loop)."""
+        self.limits.check_text(req.prompt)
         ids = self._encode(req.prompt, "prompt")
         return Prepared(ids, self._params(req, len(ids), req.max_tokens, "max_tokens", "prompt"), req.include_usage)
 

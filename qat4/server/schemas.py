@@ -59,6 +59,22 @@ class FunctionDef(_Strict):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _json_schema_object(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A JSON Schema object: properties an object of schemas, required a list of their names."""
+        if value is None:
+            return value
+        if value.get("type", "object") not in ("object", "dict"):
+            raise ValueError('must be a JSON Schema of "type": "object"')
+        properties = value.get("properties", {})
+        if not isinstance(properties, dict) or not all(isinstance(p, dict) for p in properties.values()):
+            raise ValueError("properties must be an object whose values are JSON Schemas (objects)")
+        required = value.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError("required must be a list of property names")
+        return value
+
 
 class Tool(_Strict):
     type: Literal["function"]
@@ -94,11 +110,11 @@ class SamplingRequest(_Strict):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    seed: int | None = None
+    top_k: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    seed: int | None = Field(default=None, ge=0, le=2**64 - 1)
     stop: Any = None
     n: int = Field(default=1, ge=1, le=1)
     ignore_eos: bool = False
@@ -122,7 +138,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Any = None
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     response_format: ResponseFormat | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -160,7 +176,7 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions: a raw prompt (text or token ids), no chat template."""
 
     prompt: Any
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=1, le=2**31 - 1)
 
     @field_validator("prompt")
     @classmethod
@@ -184,6 +200,7 @@ class DetokenizeRequest(_Strict):
 
 
 Model = TypeVar("Model", bound=BaseModel)
+MAX_JSON_DEPTH = 64  # nesting levels a request body may have (tool arguments and schemas included)
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
@@ -202,13 +219,45 @@ def parse_body(model: type[Model], raw: bytes) -> Model:
     except UnicodeDecodeError:
         raise bad_request("The request body is not valid UTF-8 JSON.") from None
     except RecursionError:
-        raise bad_request("The request body nests JSON too deeply.") from None
+        raise bad_request(f"The request body nests JSON deeper than {MAX_JSON_DEPTH} levels.") from None
+    except ValueError:  # an integer of more digits than Python converts (4,300)
+        raise bad_request("The request body holds a number with more digits than any parameter takes.") from None
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.")
+    check_values(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+def check_values(data: Any) -> None:
+    """Refuse, naming the field, what no parameter can hold and later code should never see:
+    nesting deeper than MAX_JSON_DEPTH and strings (keys too) that are not valid Unicode (lone
+    surrogates, which JSON's \\u escapes can spell). Walks the tree without recursion."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(data, ())]
+    while stack:
+        value, loc = stack.pop()
+        if len(loc) > MAX_JSON_DEPTH:
+            raise bad_request(f"Invalid value for '{_field_path(loc[:MAX_JSON_DEPTH])}': it nests deeper than "
+                              f"{MAX_JSON_DEPTH} levels.", param=_field_path(loc[:MAX_JSON_DEPTH]))
+        if isinstance(value, str):
+            _check_unicode(value, loc)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _check_unicode(key, loc)
+                stack.append((item, (*loc, key)))
+        elif isinstance(value, list):
+            stack.extend((item, (*loc, i)) for i, item in enumerate(value))
+
+
+def _check_unicode(text: str, loc: tuple[Any, ...]) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        param = _field_path(loc) or "body"
+        raise bad_request(f"Invalid value for '{param}': the string is not valid Unicode (a lone surrogate escape "
+                          "such as \\ud800).", param=param) from None
 
 
 def validation_error(exc: ValidationError) -> APIError:
