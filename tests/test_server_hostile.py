@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from server_harness import LiveServer, tiny_engine
+from server_harness import LiveServer, tiny_engine, wait_until
 
 from qat4.server import app as server_app
 from qat4.server.app import create_app
@@ -218,3 +218,35 @@ def test_a_seeded_fuzz_of_every_post_route_gets_no_5xx_and_no_hang(server):
                 assert "data: [DONE]" in resp.text
     assert sum(statuses.values()) == 1200 and statuses.get(400, 0) > 300 and statuses.get(200, 0) > 50
     assert slowest < 15
+
+
+def test_a_client_that_trickles_its_headers_is_disconnected(monkeypatch):
+    """qat4 serve's protocol closes a connection whose headers have not all arrived in time, and
+    keeps serving whole requests on the same server."""
+    import threading
+
+    import uvicorn
+
+    from qat4.commands import serve
+
+    monkeypatch.setattr(serve, "HEADER_TIMEOUT_S", 0.5)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(create_app(tiny_engine(), model_name="tiny"), log_level="warning",
+                            http=serve.HeaderTimeoutProtocol)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: server.started, timeout=30)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
+            slow.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the blank line
+            start = time.perf_counter()
+            assert slow.recv(4096) == b""  # closed by the server
+            assert time.perf_counter() - start < 5
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()

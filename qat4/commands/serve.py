@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from qat4.commands.model_args import add_model_arguments, load_engine, resolve_device
 from qat4.errors import Qat4Error
@@ -18,6 +19,7 @@ from qat4.server.limits import CHARS_PER_CONTEXT_TOKEN, DEFAULT_MAX_MESSAGES, DE
 DEFAULT_PORT = 8100
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_MAX_QUEUE = 256
+HEADER_TIMEOUT_S = 10.0  # a request's line and headers must arrive within this long
 SHUTDOWN_GRACE_S = 5  # on Ctrl-C, answers still streaming after this long are cut (and their generation cancelled)
 
 
@@ -66,6 +68,46 @@ def model_name_for(model: str) -> str:
     return path.resolve().name if path.exists() else model
 
 
+class HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, closing a connection whose request line and headers have not all
+    arrived within HEADER_TIMEOUT_S of its opening or of its last answer (a client that trickles
+    its headers in holds a connection open for nothing, as slowloris does)."""
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self._waiting_for_headers():
+            return
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if getattr(self, "_header_timer", None) is not None:
+            self._header_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if getattr(self, "_header_timer", None) is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._headers_late)
+
+    def _waiting_for_headers(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self._waiting_for_headers() and not self.transport.is_closing():
+            self.transport.close()
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server, which on Ctrl-C first stops the generations so open answers end at once."""
 
@@ -112,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
           f"prompt cache {'on' if engine.pool.prompt_cache else 'off'}", file=sys.stderr)
     if engine.device.type == "cuda":
         print(f"qat4 serve: {pinned_tilings_note(*engine.pinned_tilings)}", file=sys.stderr)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=HeaderTimeoutProtocol,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     _Server(config, app.state.engine_loop.close).run()
     return 0
