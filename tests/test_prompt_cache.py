@@ -135,3 +135,89 @@ def test_the_allocator_caches_named_blocks_and_evicts_the_oldest_tails_first():
     assert blocks[2] in got and a.lookup(names[2]) is None and a.lookup(names[1]) == blocks[1]
     assert extend_block_hashes([], list(range(12)), 4, 3) == names
     assert extend_block_hashes([], [0, 1, 2, 4] + list(range(4, 12)), 4, 3)[0] != names[0]
+
+
+# ---- the scheduler's admission with a hit, on the pool alone -------------------------------------
+
+
+def pool_and_scheduler(window: int, block_size: int, chunk: int, max_seqs: int, cache_blocks: int = 0):
+    import dataclasses
+
+    from qat4.engine.kv_cache import KVPool, pool_blocks
+    from qat4.engine.scheduler import Scheduler
+
+    cfg = dataclasses.replace(TINY, sliding_window=window)
+    blocks = pool_blocks(cfg, kv_tokens=256, max_seqs=max_seqs, prefill_chunk=chunk, max_ctx=256,
+                         block_size=block_size, cache_blocks=cache_blocks)
+    pool = KVPool(cfg, blocks, block_size=block_size, max_seqs=max_seqs, max_ctx=256, device=torch.device("cpu"),
+                  dtype=torch.float32)
+    return pool, Scheduler(pool, prefill_chunk=chunk)
+
+
+def seq(prompt, new=4):
+    from qat4.engine.sampler import SamplingParams
+    from qat4.engine.sequence import Sequence
+
+    return Sequence(prompt, SamplingParams(temperature=0), 0, new, frozenset())
+
+
+def read_all(scheduler, s) -> None:
+    """Run s's prompt through the scheduler as the engine would (every token known), then finish it."""
+    scheduler.add(s)
+    while s.num_computed < s.num_known:
+        for q, n in scheduler.schedule().prefill:
+            q.num_computed += n
+    scheduler.finish(s, "stop")
+
+
+def test_a_failed_admission_leaves_no_table_entry_behind(monkeypatch):
+    """A hit attached to a slot and given back (the admission failed) sends nothing for that slot: a
+    later owner's entries are the only ones the table gets (duplicate entries in one index_put_
+    are undefined on CUDA)."""
+    from qat4.engine import kv_cache
+
+    sent = []
+    monkeypatch.setattr(kv_cache, "to_device", lambda host, device: sent.append(host.clone()) or host)
+    pool, scheduler = pool_and_scheduler(window=8, block_size=4, chunk=8, max_seqs=2)
+    read_all(scheduler, seq([2] + tokens(23, 60)))
+    pool.flush()
+    slot = pool.open_slot()
+    history = [2] + tokens(23, 60)
+    assert pool.attach_prefix(slot, seq(history).block_hashes(4, 24), 24) == 20
+    pool.close_slot(slot)
+    again = pool.open_slot()
+    assert again == slot
+    pool.grow(again, 8, 0)
+    fresh = pool._held[again]["full_attention"][:2]
+    sent.clear()
+    pool.flush()
+    assert pool.tables["full_attention"][again, :2].tolist() == fresh
+    for index in sent:
+        pairs = list(zip(index[0].tolist(), index[1].tolist()))
+        assert len(pairs) == len(set(pairs))
+
+
+def test_a_hit_is_admitted_when_a_cold_read_would_be():
+    """The cached window a hit takes goes back as its prompt moves on, so it counts as room: a
+    one-slot pool without spare cache blocks admits turn 2 of a conversation at once."""
+    pool, scheduler = pool_and_scheduler(window=8, block_size=1, chunk=4, max_seqs=1)
+    first = seq([2] + tokens(29, 61))
+    read_all(scheduler, first)
+    second = seq(first.prompt + tokens(20, 62))
+    scheduler.add(second)
+    batch = scheduler.schedule()
+    assert [q for q, _ in batch.prefill] == [second] and second.num_computed == len(first.prompt)
+
+
+def test_a_first_chunk_that_does_not_fit_waits_instead_of_failing():
+    """A prompt chunk wider than the window needs more sliding blocks than the whole prompt's last
+    window: when another sequence holds them, the newcomer waits in the queue, holding nothing."""
+    pool, scheduler = pool_and_scheduler(window=4, block_size=1, chunk=12, max_seqs=2)
+    holder = seq(list(range(3, 15)), new=1)
+    scheduler.add(holder)
+    assert [n for _, n in scheduler.schedule().prefill] == [12]
+    holder.num_computed, holder.pending = 12, 1  # its token is still on the device
+    newcomer = seq(list(range(3, 39)))
+    scheduler.add(newcomer)
+    assert not scheduler.schedule().prefill
+    assert newcomer in scheduler.waiting and newcomer.slot is None and pool.num_free_slots == 1

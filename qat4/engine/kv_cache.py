@@ -249,6 +249,7 @@ class KVPool:
             self._name(kind, held, 0, len(held), hashes)
             self.allocators[kind].release([b for b in held if b])
             held.clear()
+            self._updates[kind] = [u for u in self._updates[kind] if u[0] != slot]  # never sent: nothing to undo
         self._live_from[slot] = 0
         self._free_slots.append(slot)
 
@@ -309,10 +310,12 @@ class KVPool:
         return need
 
     def can_grow(self, slot: int, end: int, first_query: int) -> bool:
-        return all(self.allocators[kind].num_free + self._freeable(slot, kind, first_query) >= n
+        return all(self.allocators[kind].num_free + self.freeable(slot, kind, first_query) >= n
                    for kind, n in self.blocks_to_grow(slot, end, first_query).items())
 
-    def _freeable(self, slot: int, kind: str, first_query: int) -> int:
+    def freeable(self, slot: int, kind: str, first_query: int) -> int:
+        """Blocks of the slot that growing for queries from ``first_query`` on gives back: sliding
+        blocks out of their window that no other sequence holds."""
         if kind != SLIDING:
             return 0
         held, alloc = self._held[slot][kind], self.allocators[kind]
@@ -348,10 +351,13 @@ class KVPool:
 
     def flush(self) -> None:
         """Write the table entries of the blocks allocated since the last flush to the device,
-        without waiting for it (from pinned memory, which is not reused before the copy ran)."""
+        without waiting for it (from pinned memory, which is not reused before the copy ran). An
+        entry written twice keeps its last block (``index_put_`` leaves duplicates undefined)."""
         for kind, updates in self._updates.items():
             if updates:
-                index = to_device(torch.tensor(updates, dtype=torch.int64).T, self.device)
+                last = {(slot, i): block for slot, i, block in updates}
+                rows = [(slot, i, block) for (slot, i), block in last.items()]
+                index = to_device(torch.tensor(rows, dtype=torch.int64).T, self.device)
                 self.tables[kind].index_put_((index[0], index[1]), index[2].to(torch.int32))
                 updates.clear()
 

@@ -47,7 +47,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preempted_total = 0
-        self.cache_queried_tokens = 0  # prompt tokens looked up in the prompt cache at admission
+        self.cache_queried_tokens = 0  # prompt tokens looked up in the prompt cache at first admission
         self.cache_hit_tokens = 0  # of which the cache held the KV
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
@@ -106,24 +106,29 @@ class Scheduler:
         """Admit seq when the pool has room for its whole prompt beside a block for every running
         sequence's next step, its KV read from the prompt cache as far as it reaches; returns
         the tokens of its first chunk (0: not admitted)."""
-        slot = self.pool.open_slot()
-        bs = self.pool.block_size
-        hit = self.pool.attach_prefix(slot, seq.block_hashes(bs, seq.num_known), seq.num_known)
+        pool, bs, spare = self.pool, self.pool.block_size, len(self.running)
+        slot = pool.open_slot()
+        hit = pool.attach_prefix(slot, seq.block_hashes(bs, seq.num_known), seq.num_known)
         seq.num_computed = hit
         n = self._chunk(seq, budget)
-        whole = self.pool.blocks_to_grow(slot, seq.num_known, seq.num_known - 1)
-        spare = len(self.running)
-        if not n or any(self.pool.allocators[kind].num_free < need + spare for kind, need in whole.items()):
-            self.pool.close_slot(slot)
+
+        def room(end: int, first_query: int) -> bool:
+            """Whether the slot can hold positions up to end beside a block for every running
+            sequence (the cached blocks it took and will give back counted as available)."""
+            return all(pool.allocators[kind].num_free + pool.freeable(slot, kind, first_query) >= need + spare
+                       for kind, need in pool.blocks_to_grow(slot, end, first_query).items())
+
+        if not n or not room(seq.num_known, seq.num_known - 1) or not room(hit + n, hit):
+            pool.close_slot(slot)
             seq.num_computed = 0
             return 0
         self.waiting.popleft()
-        self.pool.grow(slot, hit + n, hit)
+        pool.grow(slot, hit + n, hit)
         seq.state, seq.slot, seq.new_slot = State.RUNNING, slot, True
         if not seq.started:
             seq.started, seq.cached_tokens = time.perf_counter(), hit
-        self.cache_queried_tokens += seq.num_known
-        self.cache_hit_tokens += hit
+            self.cache_queried_tokens += seq.num_known
+            self.cache_hit_tokens += hit
         self.running.append(seq)
         return n
 
