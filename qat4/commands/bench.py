@@ -10,7 +10,9 @@ import shlex
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from qat4.commands.model_args import DEVICES, resolve_device
 from qat4.errors import Qat4Error
@@ -237,7 +239,6 @@ def _measure(args: argparse.Namespace, url: str, model: str | None, server: str,
              concurrencies: list[int], compare: dict) -> int:
     """Run the levels against `url`, print the table, write --json and --plot."""
     from qat4 import bench_serve
-    from qat4.commands.progress import ProgressLine
 
     if args.multi_turn is not None:
         return _measure_turns(args, url, model, server)
@@ -245,14 +246,7 @@ def _measure(args: argparse.Namespace, url: str, model: str | None, server: str,
                                     temperature=args.temperature, api_key=args.api_key)
     report = bench_serve.new_report(workload, server=server, requests_per_level=args.requests_per_level,
                                     seed=args.seed, server_command=server_command, compare=compare)
-    line, failed = ProgressLine(), Counter()
-
-    def show(concurrency: int, done: int, total: int, result: bench_serve.RequestResult) -> None:
-        failed[concurrency] += not result.ok
-        line.update(f"[bench serve] concurrency {concurrency}: {done}/{total} requests, {failed[concurrency]} failed")
-        if done == total:
-            line.done()
-
+    show = _progress(lambda concurrency: f"concurrency {concurrency}")
     bench_serve.run(workload, concurrencies, report, on_result=show, warn=lambda text: _log(f"warning: {text}"))
     print(bench_serve.format_table(report))
     if args.json:
@@ -265,23 +259,31 @@ def _measure(args: argparse.Namespace, url: str, model: str | None, server: str,
     return 0
 
 
+def _progress(describe: Callable[[Any], str]) -> Callable[[Any, int, int, Any], None]:
+    """A bench serve callback (key, done, total, result): one status line per key (a concurrency,
+    a phase) with its requests done and failed."""
+    from qat4.commands.progress import ProgressLine
+
+    line, failed = ProgressLine(), Counter()
+
+    def show(key: Any, done: int, total: int, result: Any) -> None:
+        failed[key] += not result.ok
+        line.update(f"[bench serve] {describe(key)}: {done}/{total} requests, {failed[key]} failed")
+        if done == total:
+            line.done()
+
+    return show
+
+
 def _measure_turns(args: argparse.Namespace, url: str, model: str | None, server: str) -> int:
     """--multi-turn: the conversations against `url`, the per-turn table, --json."""
     from dataclasses import asdict
 
     from qat4 import bench_serve
-    from qat4.commands.progress import ProgressLine
 
     workload = bench_serve.Workload(url, "chat", model, args.input_len, args.output_len,
                                     temperature=args.temperature, api_key=args.api_key)
-    line, failed = ProgressLine(), Counter()
-
-    def show(phase: str, done: int, total: int, result: bench_serve.RequestResult) -> None:
-        failed[phase] += not result.ok
-        line.update(f"[bench serve] {args.sessions} conversations, {phase}: {done}/{total} requests, {failed[phase]} failed")
-        if done == total:
-            line.done()
-
+    show = _progress(lambda phase: f"{args.sessions} conversations, {phase}")
     turns = bench_serve.run_multi_turn(workload, args.multi_turn, args.sessions, args.turn_len, args.seed, show)
     print(f"{model} at {url} ({server}): {args.sessions} conversations of {args.multi_turn} turns, "
           f"{args.output_len} output tokens a turn")
