@@ -79,6 +79,10 @@ def render_prompt(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping
         return compiled.render(**context)
     except jinja2.TemplateError as exc:
         raise Qat4Error(f"the chat template rejected the conversation: {exc}") from None
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as exc:
+        # a value of a shape the template does not expect (a tool schema's nested "type": 5, say)
+        raise Qat4Error(f"the chat template cannot render the conversation ({type(exc).__name__}: {exc}); "
+                        "check the tools' parameter schemas and the messages") from None
 
 
 @functools.cache

@@ -412,3 +412,11 @@ def test_stream_prompt_prefix():
     assert stream.feed("<|channel>thought\n") == []
     assert [e.text for e in stream.feed("noted<channel|>It is 18 C.")] == ["noted", "It is 18 C."]
     assert stream.finish() == Reply("It is 18 C.", "noted")
+
+
+def test_a_template_from_a_checkpoint_renders_in_the_sandbox():
+    """Only the shipped template renders unsandboxed; any other text cannot reach Python internals."""
+    with pytest.raises(Qat4Error, match="chat template"):
+        render_prompt([{"role": "user", "content": "hi"}], template="{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    shipped = render_prompt([{"role": "user", "content": "hi"}])
+    assert render_prompt([{"role": "user", "content": "hi"}], template=default_chat_template()) == shipped

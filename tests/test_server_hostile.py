@@ -61,19 +61,21 @@ def test_numbers_out_of_range_are_400(server):
         resp = post(server, "/v1/completions", raw)
         assert resp.status_code == 400 and "digits" in error_of(resp)["message"]
     for stream in (False, True):
-        for seed in (2**64, -1):
+        for seed in (2**64, -2):
             resp = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "seed": seed, "stream": stream})
             assert resp.status_code == 400 and error_of(resp)["param"] == "seed"
-    resp = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "seed": 2**64 - 1})
-    assert resp.status_code == 200
+    for seed in (2**64 - 1, -1):  # -1: llama.cpp's "random"
+        assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "seed": seed}).status_code == 200
     resp = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "top_k": 10**30})
     assert resp.status_code == 400 and error_of(resp)["param"] == "top_k"
 
 
-@pytest.mark.parametrize("as_text", [True, False])
-def test_deeply_nested_tool_arguments_are_400(server, as_text):
-    deep = "[" * 1500 + "]" * 1500  # past json.loads's recursion limit, within the tiny server's 4,096 characters
-    arguments = '{"a": ' + deep + "}" if as_text else {"a": json.loads("[" * 500 + "]" * 500)}
+@pytest.mark.parametrize("levels, as_text", [(1500, True), (100, True), (500, False)])
+def test_deeply_nested_tool_arguments_are_400(server, levels, as_text):
+    """As text past json.loads's recursion limit or within it (the template recurses per level),
+    or as an object (the body's own depth limit); within the tiny server's 4,096 characters."""
+    deep = "[" * levels + "]" * levels
+    arguments = '{"a": ' + deep + "}" if as_text else {"a": json.loads(deep)}
     body = {"messages": [*HELLO, {"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]}
     resp = post(server, "/v1/chat/completions", body)
@@ -85,12 +87,15 @@ def test_deeply_nested_tool_arguments_are_400(server, as_text):
     ({"type": "object", "properties": {"city": "string"}}, "properties"),
     ({"type": "object", "properties": {}, "required": "city"}, "required"),
     ({"type": "string"}, "type"),
+    ({"type": "object", "properties": {"a": {"type": "array", "items": {"type": 5}}}}, "tools"),
+    ({"type": "object", "properties": {"a": {"type": "object", "required": 5}}}, "tools"),
 ])
 def test_tool_parameters_that_are_not_a_json_schema_object_are_400(server, parameters, what):
     body = {"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}]}
     resp = post(server, "/v1/chat/completions", body)
     err = error_of(resp)
-    assert resp.status_code == 400 and err["param"] == "tools[0].function.parameters" and what in err["message"]
+    assert resp.status_code == 400 and what in err["message"]
+    assert err["param"] == ("messages" if what == "tools" else "tools[0].function.parameters")
 
 
 def test_a_flood_of_messages_is_refused_at_once_and_others_are_served(server):
@@ -104,6 +109,13 @@ def test_a_flood_of_messages_is_refused_at_once_and_others_are_served(server):
     long_text = {"prompt": "x" * (8 * 512 + 1), "max_tokens": 1}  # the tiny server's context: 512 tokens
     resp = post(server, "/v1/completions", long_text)
     assert resp.status_code == 400 and "--max-prompt-chars" in error_of(resp)["message"]
+    calls = [{"id": str(i), "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(2000)]
+    resp = post(server, "/v1/chat/completions", {"messages": [*HELLO, {"role": "assistant", "tool_calls": calls}]})
+    assert resp.status_code == 400 and "--max-prompt-chars" in error_of(resp)["message"]
+    resp = post(server, "/tokenize", {"content": "x" * 5000})
+    assert resp.status_code == 400 and error_of(resp)["param"] == "content"
+    resp = post(server, "/v1/completions", {"prompt": "x", "stop": "y" * 600})
+    assert resp.status_code == 400 and error_of(resp)["param"] == "stop"
     assert post(server, "/v1/chat/completions", {"messages": HELLO, "max_tokens": 2}).status_code == 200
 
 
@@ -120,9 +132,11 @@ def test_browsers_on_other_sites_and_rebound_names_reach_nothing(server):
     assert post(server, "/v1/chat/completions", body, headers={"Origin": server.url}).status_code == 200
     assert post(server, "/v1/chat/completions", body, headers={"Origin": "http://localhost:3000"}).status_code == 200
     # a DNS name rebound to 127.0.0.1 still sends its own Host
-    resp = httpx.get(server.url + "/", headers={"Host": f"evil.example:{server.port}"})
-    assert resp.status_code == 403
-    for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "localhost"):
+    for host in (f"evil.example:{server.port}", f"127.evil.example:{server.port}", f"127.0.0.1.nip.io:{server.port}"):
+        assert httpx.get(server.url + "/", headers={"Host": host}).status_code == 403
+        assert post(server, "/v1/chat/completions", body, headers={"Host": host, "Origin": f"http://{host}"}).status_code == 403
+    for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "localhost", f"127.0.0.2:{server.port}",
+                 f"[::1]:{server.port}", "LOCALHOST."):
         assert httpx.get(server.url + "/", headers={"Host": host}).status_code == 200
 
 
@@ -154,7 +168,8 @@ ROUTES = {
     "/apply-template": {"messages": [{"role": "user", "content": "hi"}]},
 }
 ODD_VALUES = [None, True, -1, 0, 2**64, -(2**63) - 1, 1e308, float("nan"), "", "\ud800", "x" * 5000, [], {}, [[[]]],
-              {"a": {"b": {"c": None}}}, [1, "a", None], "<|turn>", "\u0000", 3.5, "1", {"type": "function"}]
+              {"a": {"b": {"c": None}}}, [1, "a", None], "<|turn>", "\u0000", 3.5, "1", {"type": "function"},
+              {"type": 5}, {"properties": {"a": {"required": 5}}}, {"items": {"type": [1]}}, "y" * 600]
 
 
 def _mutate(body, rng: random.Random):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -45,10 +46,17 @@ MODEL_ROUTE = "/v1/models/{id}"  # the endpoint label of every /v1/models/ID req
 
 
 def _is_loopback(host: str) -> bool:
-    """Whether a Host header names this machine's loopback: localhost, 127.x.x.x or [::1], any port."""
+    """Whether a Host header names this machine's loopback, any port: localhost (and *.localhost,
+    which browsers resolve to loopback themselves), or a loopback address (127.0.0.0/8, [::1]).
+    A DNS name that merely starts with 127. is a name like any other."""
     name = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] if host.count(":") == 1 else host
     name = name.lower().rstrip(".")
-    return name in ("localhost", "::1") or name.endswith(".localhost") or name.startswith("127.")
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 class Gate:
@@ -263,6 +271,7 @@ def create_app(engine: Any, *, api_key: str | None = None, max_queue: int = 64,
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         req = await parse(TokenizeRequest, request)
+        completions.limits.check_text(req.content, "content")
         ids = await asyncio.to_thread(tokenizer.encode, req.content, add_bos=req.add_special)
         return {"tokens": list(ids)}
 

@@ -16,6 +16,7 @@ from qat4.server.errors import bad_request
 DEFAULT_MAX_MESSAGES = 1024  # 0.5 s of template rendering at most
 DEFAULT_MAX_TOOLS = 128
 CHARS_PER_CONTEXT_TOKEN = 8  # default prompt characters per token of context: more text than fits
+CALL_CHARS = 16  # what a tool call's markup counts for beyond its name and arguments (an empty call is not free)
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,8 @@ class RequestLimits:
                    max_prompt_chars or CHARS_PER_CONTEXT_TOKEN * max_ctx)
 
     def check_chat(self, req: Any) -> None:
-        """400 for a chat request over a limit, before its prompt is rendered."""
+        """400 for a chat request over a limit, before its prompt is rendered: the text of every
+        message, tool call, tool and response schema counts."""
         if len(req.messages) > self.max_messages:
             raise bad_request(f"The request has {len(req.messages)} messages; this server takes at most "
                               f"{self.max_messages} (qat4 serve --max-messages).", param="messages")
@@ -42,15 +44,19 @@ class RequestLimits:
         if len(tools) > self.max_tools:
             raise bad_request(f"The request has {len(tools)} tools; this server takes at most {self.max_tools} "
                               "(qat4 serve --max-tools).", param="tools")
-        chars = sum(_chars(m.content) + _chars(m.reasoning_content) + _chars(m.reasoning)
-                    + sum(_chars(c.function.arguments) for c in m.tool_calls or []) for m in req.messages)
-        chars += sum(_chars(t.function.description) + _chars(t.function.parameters) for t in tools)
+        chars = sum(_chars(m.content) + _chars(m.reasoning_content) + _chars(m.reasoning) + _chars(m.name)
+                    + sum(CALL_CHARS + _chars(c.function.name) + _chars(c.function.arguments) for c in m.tool_calls or [])
+                    for m in req.messages)
+        chars += sum(_chars(t.function.name) + _chars(t.function.description) + _chars(t.function.parameters)
+                     for t in tools)
+        if req.response_format is not None and req.response_format.json_schema is not None:
+            chars += _chars(req.response_format.json_schema.schema_)
         self._check_chars(chars, "messages")
 
-    def check_text(self, prompt: Any) -> None:
+    def check_text(self, prompt: Any, param: str = "prompt") -> None:
         """400 for a text prompt over the character limit, before it is tokenized."""
         if isinstance(prompt, str):
-            self._check_chars(len(prompt), "prompt")
+            self._check_chars(len(prompt), param)
 
     def _check_chars(self, chars: int, param: str) -> None:
         if chars > self.max_prompt_chars:

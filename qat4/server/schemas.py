@@ -8,6 +8,7 @@ Unknown fields are ignored, so clients that send extra OpenAI parameters keep wo
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -95,12 +96,15 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
+MAX_STOP_CHARS = 512  # a stop string is matched against the reply's end at every token, in time ~ its length squared
+
+
 def _check_stop(value: Any) -> Any:
-    if value is None or isinstance(value, str):
+    strings = [value] if isinstance(value, str) else value
+    if value is None or (isinstance(strings, list) and len(strings) <= 16
+                         and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in strings)):
         return value
-    if isinstance(value, list) and len(value) <= 16 and all(isinstance(s, str) and s for s in value):
-        return value
-    raise ValueError("must be a string or a list of at most 16 non-empty strings")
+    raise ValueError(f"must be a string or a list of at most 16 non-empty strings of at most {MAX_STOP_CHARS} characters")
 
 
 class SamplingRequest(_Strict):
@@ -114,13 +118,19 @@ class SamplingRequest(_Strict):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0, le=2**31 - 1)
-    seed: int | None = Field(default=None, ge=0, le=2**64 - 1)
+    seed: int | None = Field(default=None, ge=-1, le=2**64 - 1)
+    """0 .. 2^64 - 1; -1 (llama.cpp's "random") is the same as none."""
     stop: Any = None
     n: int = Field(default=1, ge=1, le=1)
     ignore_eos: bool = False
     """Generate through end-of-turn tokens until max_tokens (llama.cpp's and vLLM's option; benchmarks use it)."""
 
     _stop = field_validator("stop")(_check_stop)
+
+    @field_validator("seed")
+    @classmethod
+    def _random_seed(cls, value: int | None) -> int | None:
+        return None if value == -1 else value
 
     @property
     def include_usage(self) -> bool:
@@ -224,40 +234,60 @@ def parse_body(model: type[Model], raw: bytes) -> Model:
         raise bad_request("The request body holds a number with more digits than any parameter takes.") from None
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.")
-    check_values(data)
+    check_values(data, raw)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
 
 
-def check_values(data: Any) -> None:
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def check_values(data: Any, raw: bytes = b"\\u") -> None:
     """Refuse, naming the field, what no parameter can hold and later code should never see:
     nesting deeper than MAX_JSON_DEPTH and strings (keys too) that are not valid Unicode (lone
-    surrogates, which JSON's \\u escapes can spell). Walks the tree without recursion."""
+    surrogates: JSON's \\u escapes are the only way to spell them, so the strings are looked at
+    only when ``raw`` holds one). Walks the containers without recursion; the field's path is
+    worked out only for the refusal."""
+    strings = bool(_SURROGATE_ESCAPE.search(raw))
+    stack = [(data, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH or (strings and not _valid_text(value, strings)):
+            raise _refusal(data, strings)
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((item, depth + 1) for item in items if isinstance(item, (dict, list)) or (strings and isinstance(item, str)))
+
+
+def _valid_text(value: Any, strings: bool) -> bool:
+    """Whether a value's own text (a string, or a dict's keys) is valid Unicode."""
+    texts = [value] if isinstance(value, str) else list(value) if isinstance(value, dict) else []
+    try:
+        for text in texts:
+            text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _refusal(data: Any, strings: bool) -> APIError:
+    """The 400 for the first value check_values refuses, with its path (a second, slower walk)."""
     stack: list[tuple[Any, tuple[Any, ...]]] = [(data, ())]
     while stack:
         value, loc = stack.pop()
         if len(loc) > MAX_JSON_DEPTH:
-            raise bad_request(f"Invalid value for '{_field_path(loc[:MAX_JSON_DEPTH])}': it nests deeper than "
-                              f"{MAX_JSON_DEPTH} levels.", param=_field_path(loc[:MAX_JSON_DEPTH]))
-        if isinstance(value, str):
-            _check_unicode(value, loc)
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                _check_unicode(key, loc)
-                stack.append((item, (*loc, key)))
+            param = _field_path(loc[:MAX_JSON_DEPTH])
+            return bad_request(f"Invalid value for '{param}': it nests deeper than {MAX_JSON_DEPTH} levels.", param=param)
+        if strings and not _valid_text(value, strings):
+            param = _field_path(loc) or "body"
+            return bad_request(f"Invalid value for '{param}': the string is not valid Unicode (a lone surrogate "
+                               "escape such as \\ud800).", param=param)
+        if isinstance(value, dict):
+            stack.extend((item, (*loc, key)) for key, item in value.items())
         elif isinstance(value, list):
             stack.extend((item, (*loc, i)) for i, item in enumerate(value))
-
-
-def _check_unicode(text: str, loc: tuple[Any, ...]) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        param = _field_path(loc) or "body"
-        raise bad_request(f"Invalid value for '{param}': the string is not valid Unicode (a lone surrogate escape "
-                          "such as \\ud800).", param=param) from None
+    return bad_request("The request body holds a value that no parameter takes.")
 
 
 def validation_error(exc: ValidationError) -> APIError:
