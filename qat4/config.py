@@ -1,6 +1,6 @@
 """Gemma 4 text configuration: read from config.json or GGUF metadata, per-layer facts derived.
 
-Saved configs come in three spellings (see the model spec §2.5): Google's (`text_config` nested,
+Saved configs come in three spellings: Google's (`text_config` nested,
 `global_head_dim` present), the text-only repacks (same keys at the top level) and transformers'
 own `save_pretrained` diff (keys equal to the class defaults omitted, `per_layer_config` instead of
 `global_head_dim`). All three parse to one `Gemma4Config`.

@@ -8,7 +8,7 @@ alternating rows, so the GELU gate runs in the projection's epilogue (group step
 epilogue of the projection that feeds it (one launch per projection in decode).
 
 Shapes: T tokens, D hidden, H query heads, d head dim of the layer (one KV head), I MLP width,
-L layers, P per-layer-input width, V vocabulary. Spec: docs/gemma4-e2b.md §3-4.
+L layers, P per-layer-input width, V vocabulary.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ class Gemma4:
         )
 
     def _rope_table(self, kind: str, max_positions: int) -> torch.Tensor:
-        """cos/sin table [max_positions, 2 n_rot] of one layer type (spec §2.3)."""
+        """cos/sin table [max_positions, 2 n_rot] of one layer type."""
         params = self.config.rope_parameters[kind]
         rope_type = params.get("rope_type", "default")
         if rope_type not in ("default", "proportional") or params.get("factor", 1.0) != 1.0:
@@ -199,7 +199,7 @@ class Gemma4:
     # ---- forward -----------------------------------------------------------------------------
 
     def embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids [T] int64 -> (h0 [T, D], per-layer inputs [T, L, P]), spec §3.2-3.3."""
+        """ids [T] int64 -> (h0 [T, D], per-layer inputs [T, L, P])."""
         cfg = self.config
         T, L, P = ids.shape[0], cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
         h = w4_embedding(ids, self.embed_tokens.packed, self.embed_tokens.scales, self.embed_scale, self.dtype)
@@ -225,7 +225,7 @@ class Gemma4:
 
     def _block(self, layer: Layer, h: torch.Tensor, x: torch.Tensor, ple: torch.Tensor, positions: torch.Tensor,
                pages: Pages, batch: ForwardBatch, next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoder layer, spec §3.4: h [T, D] and its input norm x -> (h out, RMSNorm_next_norm(h out))."""
+        """One decoder layer: h [T, D] and its input norm x -> (h out, RMSNorm_next_norm(h out))."""
         T, H, d, eps = h.shape[0], self.heads, layer.head_dim, self.eps
         qkv = linear(x, layer.qkv)
         q = qkv[:, : H * d].view(T, H, d)

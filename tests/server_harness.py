@@ -20,7 +20,7 @@ import uvicorn
 from qat4.checkpoint.synth import synthetic_model
 from qat4.commands.model_args import synthetic_tokenizer
 from qat4.config import PRESETS
-from qat4.engine import DEFAULT_STOP_IDS, Engine, SamplingParams, StepOutput
+from qat4.engine import Engine, SamplingParams, StepOutput
 from qat4.engine.sequence import Sequence, State
 from qat4.errors import Qat4Error
 from qat4.tokenizer import Tokenizer
@@ -43,7 +43,7 @@ def tiny_engine() -> Engine:
 class ScriptedEngine:
     """Replays `reply` (text with special tokens) as token ids, `delay` seconds per step.
 
-    It has the surface the server uses from `qat4.engine.Engine` (tokenizer, config, max_ctx,
+    It has the surface the server uses from `qat4.engine.Engine` (tokenizer, config, stop_token_ids, max_ctx,
     encode, check_request, add_request, step, abort, has_work, scheduler.running/waiting,
     pool.usage, pool.cached_blocks) and batches like it: up to `max_num_seqs` sequences run, the rest wait. After the
     scripted ids a sequence keeps producing `filler` until max_new_tokens, unless the reply ended
@@ -55,6 +55,7 @@ class ScriptedEngine:
     def __init__(self, reply: str = "", *, delay: float = 0.0, max_ctx: int = 4096, max_num_seqs: int = 1):
         self.tokenizer = tiny_tokenizer()
         self.config = PRESETS["tiny"]
+        self.stop_token_ids = self.config.eos_token_id
         self.max_ctx, self.max_num_seqs = max_ctx, max_num_seqs
         self.reply, self.delay, self.error, self.step_error = reply, delay, None, None
         self.filler = self.tokenizer.encode(" more")[-1]
@@ -78,7 +79,7 @@ class ScriptedEngine:
                     stop_token_ids=None) -> Sequence:
         if self.error is not None:
             raise self.error
-        stops = frozenset(DEFAULT_STOP_IDS if stop_token_ids is None else stop_token_ids)
+        stops = frozenset(self.stop_token_ids if stop_token_ids is None else stop_token_ids)
         seq = Sequence(self.encode(prompt), SamplingParams(), 0, max_new_tokens, stops)
         self.scheduler.waiting.append(seq)
         return seq

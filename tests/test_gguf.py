@@ -266,3 +266,18 @@ def test_tokenizer_of_a_written_gguf_matches_llama_cpp_vocabulary(tmp_path):
     for i in (0, 5, 11, 23, 37, 45):
         text, ids = vectors[i]
         assert tokenizer.encode(text) == ids, text
+
+
+def test_a_gguf_whose_end_token_differs_stops_on_its_own(tmp_path):
+    """A GGUF's end tokens come from its metadata (eos, then <turn|> and <|tool_response> by name):
+    the engine, and the server through it, stop on those, not on Gemma 4's usual ids."""
+    from qat4.checkpoint.loader import load_packed
+    from qat4.engine import Engine
+
+    path = tmp_path / "other-eos.gguf"
+    write_gguf(path, SMALL.replace(eos_token_id=(7,)), synthetic_tensors(SMALL, 0), small_aux())
+    engine = Engine.from_packed(load_packed(str(path)), "cpu", max_ctx=64)
+    assert engine.stop_token_ids == (7, 106, 50)
+    seq = engine.add_request([2, 10, 11], 8)
+    assert seq.stop_ids == frozenset({7, 106, 50})
+    engine.abort(seq)

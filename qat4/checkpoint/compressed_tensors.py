@@ -4,7 +4,7 @@ Covers the text-only repack (`-ct-text`: top-level text config, `model.language_
 bf16 tables recovered onto the grid on read), its `-emb4` variant (both tables and an untied
 `lm_head` packed, fp16 table steps, `tie_word_embeddings: false`) and Google's multimodal
 `-qat-w4a16-ct` (nested `text_config`, tower tensors present and skipped). Whether a tensor is
-packed or dense is decided per tensor. Layout of a packed module `M` (model spec §6.4):
+packed or dense is decided per tensor. Layout of a packed module `M`:
 `M.weight_packed` I32 [rows, cols/8], `M.weight_scale` BF16/F16 [rows, cols/32],
 `M.weight_shape` I64 [2].
 """
@@ -35,7 +35,7 @@ from qat4.config import Gemma4Config
 from qat4.errors import Qat4Error
 
 TABLES = ("embed_tokens", "embed_tokens_per_layer")
-# The config groups -emb4 adds: deep copies of group_0 with these targets (model spec §6.5).
+# The config groups -emb4 adds: deep copies of group_0 with these targets.
 EMB4_GROUPS = {
     "group_embed_tokens_per_layer": "re:.*\\.embed_tokens_per_layer$",
     "group_embed_tokens": "re:.*\\.embed_tokens$",

@@ -114,10 +114,6 @@ class PackedModel:
         if self.lm_head is not None and self.lm_head.shape != (self.config.vocab_size, self.config.hidden_size):
             raise Qat4Error(f"tensor lm_head in {where} has shape {list(self.lm_head.shape)}, expected {[self.config.vocab_size, self.config.hidden_size]}")
 
-    @property
-    def output_layer(self) -> PackedTensor:
-        return self.lm_head if self.lm_head is not None else self.tensors["embed_tokens"]
-
     def set_output_layer(self, lm_head: PackedTensor) -> None:
         """Keep an untied lm_head only if it differs from the token embedding (emb4 stores a copy)."""
         emb = self.tensors["embed_tokens"]

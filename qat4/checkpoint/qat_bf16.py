@@ -1,7 +1,7 @@
 """Google's bf16 QAT checkpoint (`-qat-q4_0-unquantized`): reader and writer.
 
 Every linear and both vocabulary tables are stored dense bf16, yet each group of 32 values along a
-row is exactly `step x level` up to bf16 rounding (model spec §6.2). The reader recovers levels and
+row is exactly `step x level` up to bf16 rounding. The reader recovers levels and
 steps with `recover_grid` (one GridReport per matrix, for `grid_reports()`); a group off the grid
 is a Qat4Error naming the tensor and group. The layout is multimodal: `text_config` nested,
 `model.language_model.*` names, tower tensors beside them (skipped).

@@ -3,7 +3,7 @@
 Every matrix gets random levels in -8..7 and one random step per group of 32 with at most four
 significant bits, so `step x level` is exact in bf16 and fp16 and every format holds the same
 values. The first level of each group is +1 or -1, which makes the recovery from dense 16-bit
-values (model spec §6.2) give back exactly these levels and steps. Steps are sized like trained
+values give back exactly these levels and steps. Steps are sized like trained
 weights (linears about 0.004-0.015, tables about twice that); norms are random around a random
 per-tensor mean (never all ones, which would hide a misplaced norm); `layer_scalar` is uniform in
 0.02-0.8.

@@ -34,7 +34,6 @@ from qat4.errors import Qat4Error
 from qat4.model import Gemma4
 from qat4.ops.w4_linear import forget_matvec_tilings, matvec_tilings, pin_matvec_tilings
 
-DEFAULT_STOP_IDS = (1, 106, 50)  # <eos>, <turn|>, <|tool_response>
 # Token counts that reach every kernel choice of qat4.ops.w4 (the GEMV, the batch kernel's row
 # blocks of 16, 32, 64 and 128, the prefill GEMM) and of the attention tiles (decode, prefill).
 WARM_TOKENS = (1, 3, 17, 33, 65, 129)
@@ -81,6 +80,7 @@ class Engine:
         self.max_ctx, self.prefill_chunk, self.max_num_seqs = plan.max_ctx, plan.prefill_chunk, plan.max_num_seqs
         self.tokenizer = tokenizer
         self.generation_config = dict(generation_config or {})
+        self.stop_token_ids = stop_token_ids(self.generation_config, self.config.eos_token_id)
         self.runner = ModelRunner(model, pool, max_num_seqs=plan.max_num_seqs, use_graph=cuda_graph)
         self.scheduler = Scheduler(pool, prefill_chunk=plan.prefill_chunk)
         self._in_flight = None
@@ -274,7 +274,7 @@ class Engine:
         ids = self.encode(prompt)
         params = self.sampling_params(temperature, top_k, top_p)
         self.check_request(len(ids), max_new_tokens)
-        stops = frozenset(DEFAULT_STOP_IDS if stop_token_ids is None else stop_token_ids)
+        stops = frozenset(self.stop_token_ids if stop_token_ids is None else stop_token_ids)
         seq = Sequence(ids, params, secrets.randbits(63) if seed is None else seed % (1 << 63), max_new_tokens, stops)
         self.scheduler.add(seq)
         return seq
@@ -420,6 +420,18 @@ class Engine:
             decode_steps=len(seq.output) - 1,
             cached_tokens=seq.cached_tokens,
         )
+
+
+def stop_token_ids(generation_config: dict, eos_token_id: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids that end a generation: the checkpoint's generation_config ``eos_token_id`` (an id or
+    a list), else its config's (for Gemma 4 <eos>, <turn|> and <|tool_response>; a GGUF's come
+    from its metadata, see :func:`qat4.checkpoint.gguf.config_from_gguf`)."""
+    eos = generation_config.get("eos_token_id")
+    if isinstance(eos, int) and not isinstance(eos, bool):
+        return (eos,)
+    if isinstance(eos, list) and eos and all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
+        return tuple(dict.fromkeys(eos))
+    return tuple(eos_token_id)
 
 
 def _find_tokenizer(source: Path):

@@ -433,11 +433,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     return (rms_norm_triton if use_triton(x) else rms_norm_reference)(x, weight, eps)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """RoPE of x [T, H, D] at positions [T]. See :func:`rope_reference`."""
-    return (rope_triton if use_triton(x) else rope_reference)(x, positions, cos_sin_cache)
-
-
 def qk_norm_rope_store(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -25,7 +25,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from qat4.engine import DEFAULT_STOP_IDS
 from qat4.errors import Qat4Error
 from qat4.server.completions import Completions
 from qat4.server.errors import APIError, bad_request
@@ -195,7 +194,7 @@ def create_app(engine: Any, *, api_key: str | None = None, max_queue: int = 64,
     if engine.tokenizer is None:
         raise Qat4Error("the model has no tokenizer; the server needs one to render chats and decode replies")
     metrics = Metrics()
-    loop = EngineLoop(engine, DEFAULT_STOP_IDS, max_queue, metrics)
+    loop = EngineLoop(engine, engine.stop_token_ids, max_queue, metrics)
     completions = Completions(engine, loop, model_name, limits or RequestLimits.for_context(engine.max_ctx))
     tokenizer = engine.tokenizer
     page = resources.files("qat4.server").joinpath("static/index.html").read_text(encoding="utf-8")
