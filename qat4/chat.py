@@ -393,7 +393,7 @@ class ReplyStream:
             self._take(self._pending[:cut])
             self._pending = self._pending[cut:]
             if final:
-                self._end()
+                self._end(None)
             return False
         self._take(self._pending[:index])
         self._pending = self._pending[index + len(marker):]
@@ -414,13 +414,13 @@ class ReplyStream:
     def _on_marker(self, marker: str) -> None:
         """Change state on a complete marker."""
         if marker in STOP_MARKERS:
-            self._end()
+            self._end(marker)
         elif self._state is _State.THOUGHT:
             self._emit("reasoning", self._reasoning.push(self._thought))
             self._thought = ""
             self._state = _State.CONTENT
         elif self._state is _State.CALL:
-            self._end_call(closed=marker == CALL_CLOSE)
+            self._end_call(marker)
             if marker == CALL_CLOSE:
                 self._state = _State.CONTENT
         elif marker == THOUGHT_OPEN:
@@ -429,22 +429,28 @@ class ReplyStream:
         elif marker == CALL_OPEN:
             self._state = _State.CALL
 
-    def _end(self) -> None:
-        """Stop marker or end of text: an open thought block (thinking off) becomes content, an open call is tried."""
+    def _end(self, marker: str | None) -> None:
+        """Stop `marker` or end of text (None): an open thought block (thinking off) becomes content, an
+        open call is tried."""
         if self._state is _State.THOUGHT:
             self._emit("content", self._content.push(self._thought))
             self._thought = ""
         elif self._state is _State.CALL:
-            self._end_call(closed=False)
+            self._end_call(marker)
         self._state = _State.DONE
         self._pending = ""
 
-    def _end_call(self, closed: bool) -> None:
-        """Parse the collected call; one that does not parse is an invalid call, named as far as it goes."""
+    def _end_call(self, marker: str | None) -> None:
+        """Parse the collected call, ended by `marker` (None: by the end of the text); one that does not
+        parse is an invalid call, named as far as it goes.
+
+        Only a call the model ended with a marker gets its slips repaired (see `_CallParser`): the end
+        of the text may be the token cap, and a call cut there is reported, not guessed at.
+        """
         try:
-            call = _CallParser(self._call).call()
+            call = _CallParser(self._call, repair=marker is not None).call()
         except (ValueError, RecursionError) as exc:
-            error = (f"the call does not parse: {_reason(exc)}" if closed
+            error = (f"the call does not parse: {_reason(exc)}" if marker == CALL_CLOSE
                      else f"the call ends before its closing {CALL_CLOSE}")
             invalid = {**_name_and_arguments(self._call), "error": error}
             self._invalid_tool_calls.append(invalid)
@@ -520,11 +526,15 @@ class _CallParser:
     Values are `<|"|>`-delimited strings (verbatim: `{}`, `,`, `"` and `:` are literal inside),
     JSON strings, numbers, true/false/null/None, `[...]` arrays and `{...}` objects whose keys are
     bare, `<|"|>`-delimited or JSON-quoted. Any other bare word is taken as a string.
+
+    With `repair`, a slip Gemma 4 is known to make is mended: a `<|"|>` string left open runs to the
+    call's final `}` (`{a:<|"|>hello}` is `{"a": "hello"}`).
     """
 
-    def __init__(self, text: str):
+    def __init__(self, text: str, repair: bool = False):
         self._text = text
         self._pos = 0
+        self._repair = repair
 
     def call(self) -> dict[str, Any]:
         """The whole body: name and argument object, nothing after it but whitespace."""
@@ -607,13 +617,17 @@ class _CallParser:
         return word
 
     def _delimited_string(self) -> str:
-        """`<|"|>text<|"|>`, taken verbatim."""
+        """`<|"|>text<|"|>`, taken verbatim (an unterminated one is repaired, see the class)."""
         start = self._pos + len(STRING_DELIM)
         end = self._text.find(STRING_DELIM, start)
-        if end < 0:
+        if end >= 0:
+            self._pos = end + len(STRING_DELIM)
+            return self._text[start:end]
+        final_brace = len(self._text.rstrip()) - 1
+        if not self._repair or final_brace < start or self._text[final_brace] != "}":
             raise _Malformed("unterminated string")
-        self._pos = end + len(STRING_DELIM)
-        return self._text[start:end]
+        self._pos = final_brace
+        return self._text[start:final_brace]
 
     def _json_string(self) -> str:
         """A JSON string literal with its escapes."""

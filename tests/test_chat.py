@@ -338,8 +338,18 @@ REPLIES = {
     "cut_by_next_call": ("<|tool_call>call:f{a:<|tool_call>call:g{}<tool_call|>", False,
                          Reply(tool_calls=[{"name": "g", "arguments": {}}],
                                invalid_tool_calls=[_invalid("f", "{a:", UNFINISHED)])),
-    "text_around_malformed": (f"x<|tool_call>call:f{{a:{D}oops}}<tool_call|> y", False,
-                              Reply("x y", invalid_tool_calls=[_invalid("f", f"{{a:{D}oops}}", "unterminated string")])),
+    "text_around_malformed": (f"x<|tool_call>call:f{{a:{D}oops<tool_call|> y", False,
+                              Reply("x y", invalid_tool_calls=[_invalid("f", f"{{a:{D}oops", "unterminated string")])),
+    # Slips the model makes in a call it ended itself are repaired; a call cut off is not guessed at.
+    **{f"repaired_{name}": (f"<|tool_call>{body}{end}", False, Reply(None, None, [{"name": "f", "arguments": args}]))
+       for name, (body, end, args) in {
+        "unclosed_string": (f"call:f{{a:{D}hello}}", "<tool_call|>", {"a": "hello"}),
+        "unclosed_last_string": (f"call:f{{path:{D}/tmp{D},cmd:{D}ls -l }}\n", "<tool_call|>",
+                                 {"path": "/tmp", "cmd": "ls -l "}),
+        "unclosed_string_stopped": (f"call:f{{a:{D}hello}}", "<|tool_response>", {"a": "hello"}),
+    }.items()},
+    "unclosed_string_cut": (f"<|tool_call>call:f{{a:{D}x{{}}", False,
+                            Reply(invalid_tool_calls=[_invalid("f", f"{{a:{D}x{{}}", UNFINISHED)])),
     **{f"malformed_{name}": (f"<|tool_call>{body}<tool_call|>", False,
                              Reply(invalid_tool_calls=[_invalid(call_name, arguments, error)]))
        for name, (body, call_name, arguments, error) in {
