@@ -515,6 +515,7 @@ class _Malformed(ValueError):
     """The text is not a tool call."""
 
 
+_SINGLE_QUOTE_END = re.compile(r"'(?:" + re.escape(STRING_DELIM) + r")?(?=\s*[,}\]])")
 _NUMBER = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 _LITERALS: dict[str, Any] = {"true": True, "false": False, "null": None, "None": None}
 _NAME_FORBIDDEN = frozenset('{}[],:"<>') | frozenset(" \t\r\n")
@@ -525,7 +526,9 @@ class _CallParser:
 
     Values are `<|"|>`-delimited strings (verbatim: `{}`, `,`, `"` and `:` are literal inside),
     JSON strings, numbers, true/false/null/None, `[...]` arrays and `{...}` objects whose keys are
-    bare, `<|"|>`-delimited or JSON-quoted. Any other bare word is taken as a string.
+    bare, `<|"|>`-delimited or JSON-quoted. Any other bare word is taken as a string. The model
+    sometimes quotes a value Python-style, `'text'`, at times with a stray `<|"|>` after it: that is
+    the string `text`, verbatim, its end the quote that a `,`, `}` or `]` follows.
 
     With `repair`, a slip Gemma 4 is known to make is mended: a `<|"|>` string left open runs to the
     call's final `}` (`{a:<|"|>hello}` is `{"a": "hello"}`).
@@ -561,6 +564,8 @@ class _CallParser:
             return self._object()
         if first == "[":
             return self._array()
+        if first == "'" and (quoted := self._single_quoted_string()) is not None:
+            return quoted
         return self._scalar()
 
     def _object(self) -> dict[str, Any]:
@@ -628,6 +633,15 @@ class _CallParser:
             raise _Malformed("unterminated string")
         self._pos = final_brace
         return self._text[start:final_brace]
+
+    def _single_quoted_string(self) -> str | None:
+        """`'text'` (a `<|"|>` right after it dropped); None when no quote ends the value."""
+        end = _SINGLE_QUOTE_END.search(self._text, self._pos + 1)
+        if end is None:
+            return None
+        text = self._text[self._pos + 1:end.start()]
+        self._pos = end.end()
+        return text
 
     def _json_string(self) -> str:
         """A JSON string literal with its escapes."""

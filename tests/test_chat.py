@@ -348,6 +348,14 @@ REPLIES = {
                                  {"path": "/tmp", "cmd": "ls -l "}),
         "unclosed_string_stopped": (f"call:f{{a:{D}hello}}", "<|tool_response>", {"a": "hello"}),
     }.items()},
+    **{f"single_quoted_{name}": (f"<|tool_call>call:f{{{body}}}<tool_call|>", False,
+                                 Reply(None, None, [{"name": "f", "arguments": args}]))
+       for name, (body, args) in {
+        "value": ("pattern:':\\s*\\w+'", {"pattern": ":\\s*\\w+"}),
+        "dangling_delimiter": (f"a:'abc'{D}", {"a": "abc"}),
+        "apostrophe_inside": ("q:'it's, he said', n:1", {"q": "it's, he said", "n": 1}),
+        "in_an_array": (f"a:[ 'x' , 'y'{D} ]", {"a": ["x", "y"]}),
+    }.items()},
     "unclosed_string_cut": (f"<|tool_call>call:f{{a:{D}x{{}}", False,
                             Reply(invalid_tool_calls=[_invalid("f", f"{{a:{D}x{{}}", UNFINISHED)])),
     **{f"malformed_{name}": (f"<|tool_call>{body}<tool_call|>", False,
