@@ -321,10 +321,11 @@ class _State(enum.Enum):
     DONE = "done"
 
 
-# The markers that end the text of each state. Stray closing markers in content are dropped.
+# The markers that end the text of each state. Stray closing markers in content and a doubled
+# opener in a thought block are dropped.
 _MARKERS = {
     _State.CONTENT: (THOUGHT_OPEN, CALL_OPEN, THOUGHT_CLOSE, CALL_CLOSE, *STOP_MARKERS),
-    _State.THOUGHT: (THOUGHT_CLOSE, *STOP_MARKERS),
+    _State.THOUGHT: (THOUGHT_OPEN, THOUGHT_CLOSE, *STOP_MARKERS),
     _State.CALL: (CALL_CLOSE, CALL_OPEN, *STOP_MARKERS),
 }
 
@@ -380,12 +381,8 @@ class ReplyStream:
 
     def _step(self, final: bool) -> bool:
         """Handle the text up to the next marker; False when the rest must wait (or all is done)."""
-        if self._label_pending:
-            if not final and len(self._pending) < len(THOUGHT_LABEL) and THOUGHT_LABEL.startswith(self._pending):
-                return False
-            self._label_pending = False
-            if self._pending.startswith(THOUGHT_LABEL):
-                self._pending = self._pending[len(THOUGHT_LABEL):]
+        if self._label_pending and not self._drop_label(final):
+            return False
         markers = _MARKERS[self._state]
         index, marker = _first_marker(self._pending, markers)
         if marker is None:
@@ -398,6 +395,17 @@ class ReplyStream:
         self._take(self._pending[:index])
         self._pending = self._pending[index + len(marker):]
         self._on_marker(marker)
+        return True
+
+    def _drop_label(self, final: bool) -> bool:
+        """Drop the channel name `thought` that opens a thought block; False while the text so far
+        cannot tell. It is the name only as a whole word: `thoughtful` is reasoning."""
+        label_and_next = self._pending[:len(THOUGHT_LABEL) + 1]
+        if not final and len(label_and_next) <= len(THOUGHT_LABEL) and THOUGHT_LABEL.startswith(label_and_next):
+            return False
+        self._label_pending = False
+        if label_and_next.startswith(THOUGHT_LABEL) and not _is_word_char(label_and_next[len(THOUGHT_LABEL):]):
+            self._pending = self._pending[len(THOUGHT_LABEL):]
         return True
 
     def _take(self, text: str) -> None:
@@ -415,6 +423,8 @@ class ReplyStream:
         """Change state on a complete marker."""
         if marker in STOP_MARKERS:
             self._end(marker)
+        elif marker == THOUGHT_OPEN and self._state is _State.THOUGHT:
+            self._label_pending = True
         elif self._state is _State.THOUGHT:
             self._emit("reasoning", self._reasoning.push(self._thought))
             self._thought = ""
@@ -499,6 +509,11 @@ def _partial_marker_length(text: str, markers: Sequence[str]) -> int:
         if any(m.startswith(text[-size:]) for m in markers):
             return size
     return 0
+
+
+def _is_word_char(char: str) -> bool:
+    """Whether `char` (one character, or none) continues a word."""
+    return char.isalnum() or char == "_"
 
 
 def _name_and_arguments(body: str) -> dict[str, str]:
