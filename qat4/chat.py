@@ -304,7 +304,9 @@ def parse_reply(text: str, thinking: bool = False) -> Reply:
     """Split raw model output (special tokens kept as text) into content, reasoning and tool calls.
 
     `thinking` says thinking was enabled: a thought block left unterminated is then reasoning
-    (otherwise it is content). Text from the first stop marker (`<turn|>`, `<|tool_response>`,
+    (otherwise it is content). A closed thought block is reasoning either way, not dropped: it stays
+    out of content, a client that does not read reasoning loses nothing by it, and one that does sees
+    what the tokens it is billed for said. Text from the first stop marker (`<turn|>`, `<|tool_response>`,
     `<eos>`) on is ignored. A tool call that is cut off or does not parse is an invalid tool call.
     """
     stream = ReplyStream(thinking)
