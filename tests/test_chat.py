@@ -375,6 +375,8 @@ REPLIES = {
         "name": ("call:bad name{}", "bad name", "{}", "bad function name 'bad name'"),
         "trailing_text": ("call:f{} extra", "f", "{} extra", "text after the arguments"),
         "missing_colon": ("call:f{a 1}", "f", "{a 1}", "expected ':' at 10"),
+        "unclosed_inner_string": (f"call:f{{a:{D}one,b:{D}two{D}}}", "f", f"{{a:{D}one,b:{D}two{D}}}",
+                                  "expected '}' at 25"),
         "missing_comma": ("call:f{a:1 b:2}", "f", "{a:1 b:2}", "unexpected '1 b:2' at 14"),
         "bad_escape": ('call:f{a:"\\q"}', "f", '{a:"\\q"}', "Invalid \\escape: line 1 column 2 (char 1)"),
         "too_deep": ("call:f{a:" + "[" * 3000 + "]" * 3000 + "}", "f", "{a:" + "[" * 3000 + "]" * 3000 + "}",
