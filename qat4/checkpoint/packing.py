@@ -233,39 +233,41 @@ def _first_fitting_step(w: torch.Tensor, amax: torch.Tensor, tol: torch.Tensor) 
 _NEIGHBOURS = 8  # stored-dtype steps tried on either side of the least-squares one (6 reached every value of a bf16 source)
 
 
-def _exact_values(w: torch.Tensor, source: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For groups w [N, 32] (fp32) of a 16-bit source [N, 32] and steps [N, 1] (fp32): the values
-    that round(w / step) x step reproduces bit-identically in the source's dtype, and whether
-    every level is in -8..7 -> (int [N, 1], bool [N, 1])."""
+def _levels_and_values(w: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Levels round(w / step) of groups w [..., 32] (fp32) and the values levels x step they stand
+    for, with steps [..., 1] fp32 (a step of 0 gives level 0)."""
     levels = torch.round(w / torch.where(step == 0, 1.0, step))
-    exact = ((levels * step).to(source.dtype) == source).sum(-1, keepdim=True)
-    return exact, ((levels >= -8) & (levels <= 7)).all(-1, keepdim=True)
+    return levels, levels * step
 
 
-def _most_exact_step(w: torch.Tensor, source: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
-    """Per group of w [R, G, 32] (fp32 of ``source``, a 16-bit tensor): among the values of
-    stored's dtype within _NEIGHBOURS steps of the least-squares step ``stored`` [R, G, 1], the one
-    whose levels x step reproduce the most source values bit-identically (the least-squares one on
-    a tie), for the groups it does not already reproduce whole.
+def _most_exact_step(w: torch.Tensor, source: torch.Tensor, stored: torch.Tensor,
+                     exact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group of w [N, 32] (fp32 of ``source`` [N, 32], a 16-bit tensor) whose least-squares
+    step ``stored`` [N, 1] reproduces only ``exact`` [N, 1] < 32 of its values bit-identically:
+    the value of stored's dtype within _NEIGHBOURS steps of it that reproduces the most (the
+    least-squares one on a tie), nearest first, a group leaving once it is whole. Returns the
+    steps [N, 1] and the indices of the groups whose step changed.
 
     A source stores each trained value rounded to 16 bits, so the least-squares step lies near the
     trained one but not always on it: a bf16 source whose trained steps are exact fp16 values kept
     96.3 % of its values through an fp16 step, and 100 % through the step chosen here."""
-    flat_w, flat_src, best = w.reshape(-1, GROUP), source.reshape(-1, GROUP), stored.reshape(-1, 1).clone()
-    exact, _ = _exact_values(flat_w, flat_src, best.to(torch.float32))
-    todo = ((exact < GROUP) & (best > 0)).reshape(-1).nonzero()[:, 0]
-    if not todo.numel():
-        return stored
-    sub_w, sub_src, sub_best, sub_exact = flat_w[todo], flat_src[todo], best[todo], exact[todo]
-    bits = sub_best.view(torch.int16)
+    best, exact = stored.clone(), exact.clone()
+    bits = stored.view(torch.int16)
+    todo = ((exact < GROUP) & (stored > 0)).reshape(-1).nonzero()[:, 0]
+    changed = torch.zeros(len(stored), dtype=torch.bool)
     for k in (d for n in range(1, _NEIGHBOURS + 1) for d in (n, -n)):
-        trial = (bits + k).view(sub_best.dtype)
-        count, in_range = _exact_values(sub_w, sub_src, trial.to(torch.float32))
-        better = in_range & torch.isfinite(trial) & (trial > 0) & (count > sub_exact)
-        sub_best = torch.where(better, trial, sub_best)
-        sub_exact = torch.where(better, count, sub_exact)
-    best[todo] = sub_best
-    return best.reshape(stored.shape)
+        if not todo.numel():
+            break
+        trial = (bits[todo] + k).view(stored.dtype)
+        levels, values = _levels_and_values(w[todo], trial.to(torch.float32))
+        count = (values.to(source.dtype) == source[todo]).sum(-1, keepdim=True)
+        in_range = ((levels >= -8) & (levels <= 7)).all(-1, keepdim=True)
+        better = in_range & torch.isfinite(trial) & (trial > 0) & (count > exact[todo])
+        best[todo] = torch.where(better, trial, best[todo])
+        exact[todo] = torch.where(better, count, exact[todo])
+        changed[todo] |= better.reshape(-1)
+        todo = todo[exact[todo].reshape(-1) < GROUP]
+    return best, changed.nonzero()[:, 0]
 
 
 def _recover_block(block: torch.Tensor, name: str, row0: int, scale_dtype: torch.dtype):
@@ -285,19 +287,21 @@ def _recover_block(block: torch.Tensor, name: str, row0: int, scale_dtype: torch
     q = torch.round(w / safe)
     denom = (q * q).sum(-1, keepdim=True)
     refined = torch.where(denom > 0, (q * w).sum(-1, keepdim=True) / torch.where(denom > 0, denom, 1.0), 0.0)
-    stored = _most_exact_step(w, block.reshape(rows, -1, GROUP), refined.to(scale_dtype))
-    stored_f = stored.to(torch.float32)
-    safe_stored = torch.where(stored_f == 0, 1.0, stored_f)
     # A step stores as 0 only for an all-zero group or one so small (under 2^-24) that its values
     # round to level 0 over a step of 1 too.
-    levels = torch.round(w / safe_stored)
+    groups, source = w.reshape(-1, GROUP), block.reshape(-1, GROUP)
+    stored = refined.to(scale_dtype).reshape(-1, 1)
+    levels, recon = _levels_and_values(groups, stored.to(torch.float32))
+    exact = (recon.to(block.dtype) == source).sum(-1, keepdim=True)
+    stored, changed = _most_exact_step(groups, source, stored, exact)
+    levels[changed], recon[changed] = _levels_and_values(groups[changed], stored[changed].to(torch.float32))
     lowest, highest = torch.aminmax(levels)
     if lowest < -8 or highest > 7:
-        flat = int(((levels < -8) | (levels > 7)).any(-1).reshape(-1).nonzero()[0])
+        flat = int(((levels < -8) | (levels > 7)).any(-1).nonzero()[0])
         row, group = divmod(flat, cols // GROUP)
         raise Qat4Error(f"tensor {name} row {row0 + row}, group {group} needs a level outside -8..7 once its step is stored as {scale_dtype}")
-    recon = levels * stored_f
-    exact = (recon.to(block.dtype) == block.reshape(rows, -1, GROUP)).sum()
-    worst = recon.sub_(w).abs_().div_(safe_stored).max()
+    exact = (recon.to(block.dtype) == source).sum()
+    stored_f = stored.to(torch.float32)
+    worst = recon.sub_(groups).abs_().div_(torch.where(stored_f == 0, 1.0, stored_f)).max()
     report = GridReport(name, elements=rows * cols, groups=rows * cols // GROUP, exact=int(exact), worst_ulp_steps=float(worst))
     return levels.to(torch.int8).reshape(rows, cols), stored.reshape(rows, cols // GROUP), report
