@@ -163,8 +163,8 @@ def recover_grid(
     Per group: for m = 1..8 try step = amax / m and keep the first that reproduces every value
     within 2^-7 amax with levels in -8..7 (amax / 8 alone is wrong whenever the peak is not at
     level -8); refine the step by least squares, round it to `scale_dtype` and take, of the
-    `scale_dtype` values next to it, the one that reproduces the most values bit-identically
-    (:func:`_most_exact_step`); recompute the levels.
+    `scale_dtype` values next to it, the one that reproduces the most values bit-identically when
+    `scale_dtype` is finer than the source's dtype (:func:`_most_exact_step`); recompute the levels.
     Raises Qat4Error naming the tensor and the first off-grid group. Works in row chunks.
     """
     if weight.dim() != 2 or weight.shape[1] % GROUP:
@@ -293,8 +293,10 @@ def _recover_block(block: torch.Tensor, name: str, row0: int, scale_dtype: torch
     stored = refined.to(scale_dtype).reshape(-1, 1)
     levels, recon = _levels_and_values(groups, stored.to(torch.float32))
     exact = (recon.to(block.dtype) == source).sum(-1, keepdim=True)
-    stored, changed = _most_exact_step(groups, source, stored, exact)
-    levels[changed], recon[changed] = _levels_and_values(groups[changed], stored[changed].to(torch.float32))
+    if torch.finfo(scale_dtype).eps < torch.finfo(block.dtype).eps:
+        # a step finer than the source's values: the trained one is among its neighbours
+        stored, changed = _most_exact_step(groups, source, stored, exact)
+        levels[changed], recon[changed] = _levels_and_values(groups[changed], stored[changed].to(torch.float32))
     lowest, highest = torch.aminmax(levels)
     if lowest < -8 or highest > 7:
         flat = int(((levels < -8) | (levels > 7)).any(-1).nonzero()[0])
