@@ -108,8 +108,6 @@ def test_cached_blocks_give_way_to_running_sequences_and_nothing_leaks(packed):
     run(engine, [[TINY.bos_token_id] + tokens(14, 40 + i) for i in range(4)], new=6)
     assert engine.scheduler.preempted_total == 0
     assert all(a.num_used == 0 for a in pool.allocators.values()) and pool.num_free_slots == 4
-    pool.forget_cached()
-    assert all(n == 0 for n in pool.cached_blocks().values())
     assert all(a.num_free == a.num_blocks - 1 for a in pool.allocators.values())
 
 

@@ -39,7 +39,6 @@ import torch
 from qat4.config import FULL, SLIDING, Gemma4Config
 
 
-
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without making the host wait: on CUDA through pinned memory
     (PyTorch's pinned allocator keeps the block until the copy has run), as is elsewhere."""
@@ -131,13 +130,6 @@ class BlockAllocator:
             del self._cached[block]
         self._refs[block] += 1
 
-    def forget(self) -> None:
-        """Free every cached block and drop every name."""
-        self._free.extend(self._cached)
-        self._cached.clear()
-        self._block_of.clear()
-        self._hash_of.clear()
-
 
 def sliding_blocks_per_seq(window: int, block_size: int, max_ctx: int) -> int:
     """Blocks a decoding sequence holds on a sliding layer: its last ``window`` positions, on any
@@ -160,21 +152,19 @@ def pool_blocks(config: Gemma4Config, *, kv_tokens: int, max_seqs: int, prefill_
     return blocks
 
 
-def sliding_block_nbytes(config: Gemma4Config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one sliding block over every sliding layer that owns K/V (0 without any)."""
+def block_nbytes(config: Gemma4Config, kind: str, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of layer type ``kind``: its K and V over every layer of that type that
+    owns K/V (0 without any)."""
     item = torch.empty((), dtype=dtype).element_size()
     return sum(2 * block_size * config.layer_head_dim(i) * item
-               for i in range(config.first_kv_shared_layer) if config.layer_types[i] == SLIDING)
+               for i in range(config.first_kv_shared_layer) if config.layer_types[i] == kind)
 
 
 def pool_nbytes(config: Gemma4Config, blocks: dict[str, int], block_size: int, max_seqs: int, max_ctx: int,
                 dtype: torch.dtype) -> int:
     """Device bytes of a :class:`KVPool` with these blocks, without allocating."""
-    item = torch.empty((), dtype=dtype).element_size()
-    total = 0
-    for i in range(config.first_kv_shared_layer):
-        total += 2 * blocks[config.layer_types[i]] * block_size * config.layer_head_dim(i) * item
-    return total + len(blocks) * (max_seqs + 1) * math.ceil(max_ctx / block_size) * 4
+    kv = sum(n * block_nbytes(config, kind, block_size, dtype) for kind, n in blocks.items())
+    return kv + len(blocks) * (max_seqs + 1) * math.ceil(max_ctx / block_size) * 4
 
 
 class KVPool:
@@ -287,11 +277,6 @@ class KVPool:
             if kind == SLIDING:
                 self._live_from[slot] = start
         return restart * bs
-
-    def forget_cached(self) -> None:
-        """Empty the prompt cache (blocks held by running sequences stay held)."""
-        for alloc in self.allocators.values():
-            alloc.forget()
 
     # ---- blocks --------------------------------------------------------------------------------
 

@@ -18,8 +18,9 @@ import torch
 
 from qat4.checkpoint.packed_model import PackedModel
 from qat4.checkpoint.packing import PackedTensor
+from qat4.config import SLIDING
 from qat4.engine.config import MAX_CTX_DEFAULT, EngineConfig
-from qat4.engine.kv_cache import pool_blocks, pool_nbytes, sliding_block_nbytes
+from qat4.engine.kv_cache import block_nbytes, pool_blocks, pool_nbytes
 from qat4.errors import Qat4Error
 
 MIB = 1 << 20
@@ -118,9 +119,9 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig) -> Pla
     cap = _cap_memory(device, config.memory_cap_mib) if config.memory_cap_mib is not None else None
     bs = config.block_size
 
-    block_nbytes = sliding_block_nbytes(cfg, bs, dtype)
+    sliding_nbytes = block_nbytes(cfg, SLIDING, bs, dtype)
     cache_mib = DEFAULT_PROMPT_CACHE_MIB if config.prompt_cache_mib is None else config.prompt_cache_mib
-    cache_blocks = int(cache_mib * MIB) // block_nbytes if block_nbytes else 0
+    cache_blocks = int(cache_mib * MIB) // sliding_nbytes if sliding_nbytes else 0
     on = cache_mib > 0
 
     def kv(seqs: int, chunk: int, cache: int = 0) -> tuple[dict[str, int], int]:
@@ -160,8 +161,8 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig) -> Pla
     chunk = next(c for c in chunks if needed(seqs, c, True) <= free or c == smallest)
     room = free - needed(seqs, chunk, True)
     if config.prompt_cache_mib is None:  # the default: as much of it as fits
-        cache_blocks = max(0, min(cache_blocks, room // block_nbytes if block_nbytes else 0))
-    elif cache_blocks and cache_blocks * block_nbytes > room:
+        cache_blocks = max(0, min(cache_blocks, room // sliding_nbytes if sliding_nbytes else 0))
+    elif cache_blocks and cache_blocks * sliding_nbytes > room:
         raise Qat4Error(
             f"a prompt cache of {cache_mib:g} MiB (prompt_cache_mib) does not fit beside the model, the KV pool and "
             f"their working memory{cap_text(config.memory_cap_mib)}; {max(0, room) / MIB:,.0f} MiB are left"
