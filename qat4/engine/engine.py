@@ -193,13 +193,13 @@ class Engine:
         row class of sampled rows for every captured sampling shape. Triton compiles a kernel the
         first time a new constant or tiling reaches it, and a compile mid-serving stops every
         running sequence for seconds."""
-        deep = probe.length
+        deep, keeps = probe.length, self._default_keeps()
         for tokens in (t for t in WARM_TOKENS if t <= min(self.prefill_chunk, deep)):
             for start in sorted({0, deep - tokens}):
                 probe.num_computed = start
                 h, positions, slots = self.runner.forward_chunks([(probe, tokens)])
                 for rows in (r for r in WARM_TOKENS if r <= min(tokens, self.max_num_seqs)):
-                    for keep in self._default_keeps():
+                    for keep in keeps:
                         self.runner.pick(h[:rows], slots[:rows], positions[:rows], keep)
 
     @torch.no_grad()

@@ -11,9 +11,10 @@ A step has two parts, both enqueued before the host waits for anything:
 
 Each sampled token is written to ``last_token[slot]`` on the device (the next step's input) and to
 a pinned host buffer; :meth:`ModelRunner.launch` returns a :class:`StepTokens` that waits for that
-copy only when read. Every host-to-device copy of a step goes through pinned memory without a wait. The engine launches step n + 1 before it reads step n, so the GPU never idles
-while the host schedules. Graphs are captured at load writing only to the scratch row, never into
-a live sequence's KV.
+copy only when read. Every host-to-device copy of a step goes through pinned memory without a
+wait. The engine launches step n + 1 before it reads step n, so the GPU never idles while the host
+schedules. Graphs are captured at load writing only to the scratch row, never into a live
+sequence's KV.
 
 Per-slot sampling parameters (temperature, top_k, top_p, seed) live on the device, set when a
 sequence is admitted (:meth:`ModelRunner.set_sampling`).

@@ -47,8 +47,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preempted_total = 0
-        self.cache_queried_tokens = 0  # prompt tokens looked up in the prompt cache at first admission
-        self.cache_hit_tokens = 0  # of which the cache held the KV
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Raise Qat4Error when a request of this size could never run, even alone."""
@@ -127,8 +125,6 @@ class Scheduler:
         seq.state, seq.slot, seq.new_slot = State.RUNNING, slot, True
         if not seq.started:
             seq.started, seq.cached_tokens = time.perf_counter(), hit
-            self.cache_queried_tokens += seq.num_known
-            self.cache_hit_tokens += hit
         self.running.append(seq)
         return n
 
