@@ -430,24 +430,28 @@ def run_multi_turn(workload: Workload, turns: int, sessions: int, turn_len: int,
     sent: list[list[list[dict[str, str]]]] = [[] for _ in range(sessions)]
     warm: list[list[RequestResult]] = [[] for _ in range(sessions)]
     cold: list[list[RequestResult | None]] = [[None] * turns for _ in range(sessions)]
+    done = {"warm": 0, "cold": 0}
+
+    def counted(phase: str, result: RequestResult) -> None:
+        done[phase] += 1
+        if on_result is not None:
+            on_result(phase, done[phase], sessions * turns, result)
 
     async def converse(client: httpx.AsyncClient, s: int) -> None:
         messages = [{"role": "system", "content": tag()}]
-        for t, user in enumerate(conversations[s]):
+        for user in conversations[s]:
             messages.append({"role": "user", "content": user})
             sent[s].append(list(messages))
             result = await send_request(client, workload, list(messages), workload.output_len)
             warm[s].append(result)
-            if on_result is not None:
-                on_result("warm", s * turns + t + 1, sessions * turns, result)
+            counted("warm", result)
             messages.append({"role": "assistant", "content": result.text})
 
     async def replay(client: httpx.AsyncClient, s: int) -> None:
         for t, messages in enumerate(sent[s]):
             fresh = [{"role": "system", "content": tag()}, *messages[1:]]
             cold[s][t] = await send_request(client, workload, fresh, workload.output_len)
-            if on_result is not None:
-                on_result("cold", s * turns + t + 1, sessions * turns, cold[s][t])
+            counted("cold", cold[s][t])
 
     async def both() -> None:
         async with _client(workload, sessions) as client:
@@ -457,15 +461,15 @@ def run_multi_turn(workload: Workload, turns: int, sessions: int, turn_len: int,
     asyncio.run(both())
     reports = []
     for t in range(turns):
-        done = [(s, warm[s][t]) for s in range(sessions) if t < len(warm[s]) and warm[s][t].ok]
+        ok = [s for s in range(sessions) if t < len(warm[s]) and warm[s][t].ok]
         colds = [cold[s][t] for s in range(sessions) if cold[s][t] is not None and cold[s][t].ok]
-        reusable = [warm[s][t - 1].input_tokens if t else 0 for s, _ in done]
+        per = max(1, len(ok))
         reports.append(TurnReport(
-            turn=t + 1, sessions=sessions, failed=sessions - len(done),
-            prompt_tokens=sum(r.input_tokens for _, r in done) / max(1, len(done)),
-            cached_tokens=sum(r.cached_tokens for _, r in done) / max(1, len(done)),
-            reusable_tokens=sum(reusable) / max(1, len(done)),
-            ttft_ms=summarize_ms([r.ttft_s for _, r in done]), cold_ttft_ms=summarize_ms([r.ttft_s for r in colds]),
+            turn=t + 1, sessions=sessions, failed=sessions - len(ok),
+            prompt_tokens=sum(warm[s][t].input_tokens for s in ok) / per,
+            cached_tokens=sum(warm[s][t].cached_tokens for s in ok) / per,
+            reusable_tokens=sum(warm[s][t - 1].input_tokens for s in ok if t) / per,
+            ttft_ms=summarize_ms([warm[s][t].ttft_s for s in ok]), cold_ttft_ms=summarize_ms([r.ttft_s for r in colds]),
         ))
     return reports
 

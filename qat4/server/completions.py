@@ -45,7 +45,7 @@ def sse(data: dict[str, Any] | str) -> str:
 def _usage(done: Finished) -> dict[str, int]:
     return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
             "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": done.timings.cache_n}}
 
 
 _CALL_EVENTS = ("tool_call", "invalid_tool_call")

@@ -85,7 +85,6 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     timings: Timings
-    cached_tokens: int = 0  # of prompt_tokens, read from the prompt cache
 
 
 class IncrementalDecoder:
@@ -381,4 +380,4 @@ class Generation:
         metrics.generations.inc(reason)
         prompt_ms = ((first if n else end) - (job.started_at or self._arrived)) * 1e3
         timings = Timings(len(job.prompt_ids) - cached, prompt_ms, n, (end - first) * 1e3 if n else 0.0, cached)
-        yield Finished(reason, len(job.prompt_ids), n, timings, cached)
+        yield Finished(reason, len(job.prompt_ids), n, timings)

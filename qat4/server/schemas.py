@@ -244,7 +244,7 @@ def parse_body(model: type[Model], raw: bytes) -> Model:
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def check_values(data: Any, raw: bytes = b"\\u") -> None:
+def check_values(data: Any, raw: bytes) -> None:
     """Refuse, naming the field, what no parameter can hold and later code should never see:
     nesting deeper than MAX_JSON_DEPTH and strings (keys too) that are not valid Unicode (lone
     surrogates: JSON's \\u escapes are the only way to spell them, so the strings are looked at
@@ -254,13 +254,13 @@ def check_values(data: Any, raw: bytes = b"\\u") -> None:
     stack = [(data, 0)]
     while stack:
         value, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH or (strings and not _valid_text(value, strings)):
+        if depth > MAX_JSON_DEPTH or (strings and not _valid_text(value)):
             raise _refusal(data, strings)
         items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
         stack.extend((item, depth + 1) for item in items if isinstance(item, (dict, list)) or (strings and isinstance(item, str)))
 
 
-def _valid_text(value: Any, strings: bool) -> bool:
+def _valid_text(value: Any) -> bool:
     """Whether a value's own text (a string, or a dict's keys) is valid Unicode."""
     texts = [value] if isinstance(value, str) else list(value) if isinstance(value, dict) else []
     try:
@@ -279,7 +279,7 @@ def _refusal(data: Any, strings: bool) -> APIError:
         if len(loc) > MAX_JSON_DEPTH:
             param = _field_path(loc[:MAX_JSON_DEPTH])
             return bad_request(f"Invalid value for '{param}': it nests deeper than {MAX_JSON_DEPTH} levels.", param=param)
-        if strings and not _valid_text(value, strings):
+        if strings and not _valid_text(value):
             param = _field_path(loc) or "body"
             return bad_request(f"Invalid value for '{param}': the string is not valid Unicode (a lone surrogate "
                                "escape such as \\ud800).", param=param)
