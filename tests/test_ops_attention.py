@@ -166,7 +166,8 @@ def test_splits_cover_two_programs_per_sm_for_any_batch():
     assert attn.num_splits(1, 1, 131072, tiles, cpu) == 8
     assert attn.num_splits(8, 1, 131072, tiles, cpu) == 1
     assert attn.num_splits(1, 1, 100, tiles, cpu) == 2  # no more splits than key tiles
-    assert attn.num_splits(1, 4, 3000, tiles, cpu) == 2  # prompt chunks: >= 1024 keys per split
+    assert attn.num_splits(1, 2, 3000, tiles, cpu, chunk=True) == 3  # prompt chunks: >= 1024 keys per split
+    assert attn.num_splits(1, 2, 3000, tiles, cpu) == 4  # a few tokens (drafts): as for one
 
 
 # ----------------------------------------------------------------------------------------------

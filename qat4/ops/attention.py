@@ -39,6 +39,7 @@ from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
 
 _NO_WINDOW = 1 << 30  # window value that masks nothing
 _MAX_SPLITS = 256
+DECODE_QUERIES = 16  # at most this many query tokens per sequence: decode tiles and fine key splits
 
 
 class PagedSeqs(NamedTuple):
@@ -230,7 +231,7 @@ def attention_tiles(max_q_len: int, head_dim: int, device: torch.device) -> Atte
     """Tiles for sequences of at most ``max_q_len`` query tokens at ``head_dim`` on ``device``:
     16-row blocks for a few tokens per sequence (decode), 64-row blocks for prompt chunks."""
     small_smem = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8
-    return _tiles("decode" if max_q_len <= 8 else "prefill", head_dim, small_smem)
+    return _tiles("decode" if max_q_len <= DECODE_QUERIES else "prefill", head_dim, small_smem)
 
 
 def _tiles(kind: str, head_dim: int, small_smem: bool) -> AttentionTiles:
@@ -255,13 +256,16 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def num_splits(n_seqs: int, row_blocks: int, max_keys: int, tiles: AttentionTiles, device: torch.device) -> int:
+def num_splits(n_seqs: int, row_blocks: int, max_keys: int, tiles: AttentionTiles, device: torch.device,
+               chunk: bool = False) -> int:
     """Key splits for ``n_seqs`` sequences of ``row_blocks`` query blocks each over at most
     ``max_keys`` keys: enough programs for two per SM (at most 256 splits), no more splits than key
-    tiles, and (beyond one query block per sequence, a prompt chunk) at least 1024 keys per split.
-    Depends on shapes and bounds only, never on the positions, so a captured graph serves every length."""
+    tiles, and for prompt chunks (``chunk``: more than DECODE_QUERIES tokens per sequence) at least
+    1024 keys per split. A decode step's few tokens per sequence (one, or a speculative step's
+    newest token and drafts) split as finely as the keys allow. Depends on shapes and bounds only,
+    never on the positions, so a captured graph serves every length."""
     want = triton.cdiv(2 * _sm_count(device), max(1, n_seqs * row_blocks))
-    keys_per_split = tiles.block_n if row_blocks == 1 else 1024
+    keys_per_split = 1024 if chunk else tiles.block_n
     return max(1, min(want, triton.cdiv(max_keys, keys_per_split), _MAX_SPLITS))
 
 
@@ -311,7 +315,7 @@ def paged_attention_triton(
     tiles = tiles or attention_tiles(seqs.max_q_len, D, q.device)
     row_blocks = triton.cdiv(seqs.max_q_len * H, tiles.block_r)
     max_keys = seqs.max_keys if window is None else min(seqs.max_keys, window + seqs.max_q_len - 1)
-    splits = splits or num_splits(n_seqs, row_blocks, max_keys, tiles, q.device)
+    splits = splits or num_splits(n_seqs, row_blocks, max_keys, tiles, q.device, seqs.max_q_len > DECODE_QUERIES)
     n_rows = T * H
     if splits > 1:
         part_acc = torch.empty((splits, n_rows, D), dtype=torch.float32, device=q.device)
