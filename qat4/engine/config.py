@@ -10,6 +10,7 @@ from qat4.errors import Qat4Error
 
 MAX_CTX_DEFAULT = 131_072
 BLOCK_SIZE_DEFAULT = 16
+MAX_SPEC_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,10 @@ class EngineConfig:
     fits); 0 turns the prompt cache off. memory_cap_mib: on CUDA, cap this process's
     GPU memory before anything is allocated; the load fails with a clear message when the model
     and one sequence's KV do not fit. cuda_graph: replay decode steps as CUDA graphs (CUDA only).
+    speculative: the drafter of speculative decoding (:mod:`qat4.engine.speculation`): "ngram"
+    (prompt lookup); None: off. spec_tokens: the most draft tokens a sequence feeds per step (1 to
+    8, default 4). spec_adaptive: pick each step's draft count from the measured step costs and
+    acceptance (default); False drafts spec_tokens every step, for measurements.
     """
 
     dtype: torch.dtype | None = None
@@ -41,6 +46,9 @@ class EngineConfig:
     prompt_cache_mib: float | None = None
     memory_cap_mib: float | None = None
     cuda_graph: bool = True
+    speculative: str | None = None
+    spec_tokens: int = 4
+    spec_adaptive: bool = True
 
     def __post_init__(self):
         for name in ("max_ctx", "max_num_seqs", "prefill_chunk", "kv_tokens"):
@@ -51,6 +59,8 @@ class EngineConfig:
             raise Qat4Error(f"block_size is {self.block_size}; it must be a power of two")
         if self.prompt_cache_mib is not None and not self.prompt_cache_mib >= 0:
             raise Qat4Error(f"prompt_cache_mib is {self.prompt_cache_mib}; it must be 0 (off) or more")
+        if not 1 <= self.spec_tokens <= MAX_SPEC_TOKENS:
+            raise Qat4Error(f"spec_tokens is {self.spec_tokens}; it must be 1 to {MAX_SPEC_TOKENS}")
         if self.memory_cap_mib is not None and not self.memory_cap_mib > 0:
             raise Qat4Error(f"memory_cap_mib is {self.memory_cap_mib}; it must be positive")
 

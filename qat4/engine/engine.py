@@ -25,10 +25,11 @@ from qat4.checkpoint.packed_model import PackedModel
 from qat4.engine.config import EngineConfig
 from qat4.engine.kv_cache import KVPool, PoolExhausted
 from qat4.engine.memory import MIB, Plan, cap_text, model_nbytes, plan
-from qat4.engine.model_runner import ModelRunner
+from qat4.engine.model_runner import ModelRunner, graph_sizes
 from qat4.engine.sampler import SamplingParams
 from qat4.engine.scheduler import Scheduler
 from qat4.engine.sequence import Sequence
+from qat4.engine.speculation import SPEC_MAX_BATCH, Speculator, accepted_count, make_drafter, measure_step_costs
 from qat4.engine.tuning import load_tilings, save_tilings, tune_decode_tilings
 from qat4.errors import Qat4Error
 from qat4.model import Gemma4
@@ -52,6 +53,8 @@ class Generation:
     decode_ms: float  # first token to last token
     decode_steps: int  # tokens produced by decode steps (every token after the first)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache
+    drafted: int = 0  # draft tokens verified (speculative decoding)
+    accepted: int = 0  # of those, the ones kept
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -74,16 +77,24 @@ class Engine:
     """Gemma 4 text generation from packed 4-bit weights on one device, many sequences at once."""
 
     def __init__(self, model: Gemma4, pool: KVPool, plan: Plan, *, cuda_graph: bool, tokenizer=None,
-                 generation_config: dict | None = None):
+                 generation_config: dict | None = None, spec_tokens: int = 0):
         self.model, self.pool, self.plan, self.config = model, pool, plan, model.config
         self.device, self.dtype = model.device, model.dtype
         self.max_ctx, self.prefill_chunk, self.max_num_seqs = plan.max_ctx, plan.prefill_chunk, plan.max_num_seqs
         self.tokenizer = tokenizer
         self.generation_config = dict(generation_config or {})
         self.stop_token_ids = stop_token_ids(self.generation_config, self.config.eos_token_id)
-        self.runner = ModelRunner(model, pool, max_num_seqs=plan.max_num_seqs, use_graph=cuda_graph)
+        self.spec_tokens = spec_tokens  # drafts per step at most; 0: no speculative decoding
+        # the batch sizes a speculating step may have: padded to a captured graph's, or any without graphs
+        sizes = graph_sizes(plan.max_num_seqs) if cuda_graph and model.device.type == "cuda" else \
+            range(1, plan.max_num_seqs + 1)
+        self.spec_sizes = [b for b in sizes if b <= SPEC_MAX_BATCH] if spec_tokens else []
+        self.runner = ModelRunner(model, pool, max_num_seqs=plan.max_num_seqs, use_graph=cuda_graph,
+                                  max_rows=max([0] + [b * (1 + spec_tokens) for b in self.spec_sizes]))
         self.scheduler = Scheduler(pool, prefill_chunk=plan.prefill_chunk)
+        self.speculator: Speculator | None = None  # set by enable_speculation
         self._in_flight = None
+        self._verify_started = None  # (time of the read before, sequences, drafts) of a verifying step in flight
         self.pinned_tilings = (0, 0)  # (decode GEMV shapes pinned from saved tilings, shapes in the steps); CUDA only
 
     # ---- construction ------------------------------------------------------------------------
@@ -143,14 +154,26 @@ class Engine:
                       max_seqs=resolved.max_num_seqs, max_ctx=resolved.max_ctx, device=device, dtype=resolved.dtype,
                       prompt_cache=resolved.prompt_cache)
         engine = cls(model, pool, resolved, cuda_graph=config.cuda_graph, tokenizer=tokenizer,
-                     generation_config=packed.generation_config)
+                     generation_config=packed.generation_config,
+                     spec_tokens=config.spec_tokens if config.speculative else 0)
         if device.type == "cuda":
             saved = load_tilings(device, resolved.dtype)
             pin_matvec_tilings(saved)
             engine._reserve_workspace()
             launched = matvec_tilings()  # the decode steps' GEMV shapes, captured just now
             engine.pinned_tilings = (sum(key in saved for key in launched), len(launched))
+        if config.speculative:
+            engine.enable_speculation(make_drafter(config.speculative), config.spec_adaptive)
         return engine
+
+    def enable_speculation(self, drafter, adaptive: bool = True) -> None:
+        """Speculative decoding with ``drafter`` (:mod:`qat4.engine.speculation`), up to the
+        spec_tokens the engine was built for; the step costs it weighs are measured now."""
+        if not self.spec_tokens:
+            raise Qat4Error("this engine was built without spec_tokens; load it with a speculative drafter")
+        self.drain()
+        costs = measure_step_costs(self.runner, self.spec_sizes, range(1, self.spec_tokens + 2))
+        self.speculator = Speculator(drafter, self.spec_tokens, costs, self.runner.padded, adaptive)
 
     @torch.no_grad()
     def _reserve_workspace(self) -> None:
@@ -180,11 +203,15 @@ class Engine:
         return sorted({1, self.runner.keep_for([Sequence([0], self.sampling_params(), 0, 1, frozenset())])})
 
     def _capture_graphs(self) -> None:
-        """The decode graphs of every batch size for :meth:`_default_keeps`; other sampling shapes
-        are captured when they first run."""
+        """The decode graphs of every batch size for :meth:`_default_keeps`, and with speculative
+        decoding those of 1 + k rows per sequence for every k and batch size that may speculate;
+        other sampling shapes are captured when they first run."""
         for keep in self._default_keeps():
             for b in self.runner.sizes:
-                self.runner.capture(b, keep)
+                self.runner.capture(b, 1, keep)
+            for b in self.spec_sizes:
+                for q in range(2, self.spec_tokens + 2):
+                    self.runner.capture(b, q, keep)
 
     def _warm_kernels(self, probe: Sequence) -> None:
         """Launch every kernel variant an eager prompt step can need, on ``probe``'s blocks: a
@@ -210,7 +237,7 @@ class Engine:
         if not self.runner.use_graph:
             raise Qat4Error("decode tuning times CUDA-graph replays; it needs a CUDA device with cuda_graph on")
         self.drain()
-        tilings, before, after = tune_decode_tilings(self.runner, (1, 1), replays)
+        tilings, before, after = tune_decode_tilings(self.runner, (1, 1, 1), replays)
         self.runner.graphs.clear()  # every graph holds the tilings from before
         self._capture_graphs()
         return before, after, save_tilings(tilings, self.device, self.dtype)
@@ -290,14 +317,46 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
-        """Launch the next batch, then read back the previous step's tokens and return them.
+        """Launch the next batch, then read back the previous step's tokens and return them; a
+        speculating step (:mod:`qat4.engine.speculation`) reads the previous step back first, since
+        its drafts follow the newest tokens.
 
         An exception from a step (a device error) leaves the sequences in an unknown state: abort
         them all (the server does) before stepping again."""
+        if self.speculator is not None and self._speculates():
+            return self._speculative_step()
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch else None
         previous, self._in_flight = self._in_flight, launched
+        if self.speculator is not None:
+            self.speculator.idle(batch.decode)
         return self._collect(previous) if previous is not None else []
+
+    def _decoding(self) -> list[Sequence]:
+        """Running sequences whose next step is a decode row."""
+        return [s for s in self.scheduler.running if s.length - s.num_computed == 1 and s.wants_token]
+
+    def _speculates(self) -> bool:
+        """Whether the next step waits for the one in flight: it fed drafts (how far its sequences
+        got is known only once read), or drafting pays for the sequences decoding now."""
+        in_flight = self._in_flight is not None and self._in_flight.verifies
+        return in_flight or self.speculator.draft_length(self._decoding()) > 0
+
+    def _speculative_step(self) -> list[StepOutput]:
+        outputs = self._collect(self._in_flight) if self._in_flight is not None else []
+        self._in_flight = None
+        now = time.perf_counter()
+        if self._verify_started is not None:  # the last step verified drafts: its whole period, read to read
+            started, b, k = self._verify_started
+            self.speculator.observe(b, k, now - started)
+        decoding = self._decoding()
+        k = self.speculator.propose(decoding, self.speculator.draft_length(decoding))
+        batch = self.scheduler.schedule()
+        self._in_flight = self._launch(batch) if batch else None
+        self._verify_started = (now, len(batch.decode), k) if k and batch.decode and not batch.prefill else None
+        for seq in decoding:
+            seq.drafts = []
+        return outputs
 
     def drain(self) -> None:
         """Run until no sequence is left (tokens are dropped: for tools that reset the engine)."""
@@ -321,16 +380,27 @@ class Engine:
         return launched
 
     def _collect(self, launched) -> list[StepOutput]:
+        """The tokens of a launched step, sequence by sequence; a sequence that fed drafts keeps
+        those the target agreed with and the target's token after them, and its KV counts only
+        their positions (the next step writes over the rest)."""
         tokens = launched.read()
         now = time.perf_counter()
         outputs = []
-        for seq, token in zip(launched.seqs, tokens):
+        for seq, drafts, picked in zip(launched.seqs, launched.drafts, tokens):
             if seq.finished:  # aborted, or ended by the token before
                 continue
-            done = seq.accept(token, now)
-            if done:
-                self.scheduler.finish(seq, seq.finish_reason)
-            outputs.append(StepOutput(seq, token, done))
+            if drafts:
+                kept = accepted_count(drafts, picked)
+                self.speculator.record(seq, len(drafts), kept)
+                seq.num_computed += kept
+                seq.pending += kept
+                picked = picked[: kept + 1]
+            for token in picked:
+                done = seq.accept(token, now)
+                outputs.append(StepOutput(seq, token, done))
+                if done:
+                    self.scheduler.finish(seq, seq.finish_reason)
+                    break
         return outputs
 
     # ---- one sequence ------------------------------------------------------------------------
@@ -382,6 +452,7 @@ class Engine:
                         yield out.token
                         if not out.finished and should_stop is not None and should_stop():
                             self.abort(seq)
+                            break  # a speculating step may have more of its tokens
         finally:
             self.abort(seq)
 
@@ -419,6 +490,8 @@ class Engine:
             decode_ms=(seq.last_token_at - seq.first_token_at) * 1e3,
             decode_steps=len(seq.output) - 1,
             cached_tokens=seq.cached_tokens,
+            drafted=seq.drafted,
+            accepted=seq.accepted,
         )
 
 

@@ -138,16 +138,17 @@ def sliding_blocks_per_seq(window: int, block_size: int, max_ctx: int) -> int:
 
 
 def pool_blocks(config: Gemma4Config, *, kv_tokens: int, max_seqs: int, prefill_chunk: int, max_ctx: int,
-                block_size: int, cache_blocks: int = 0) -> dict[str, int]:
+                block_size: int, cache_blocks: int = 0, lookahead: int = 0) -> dict[str, int]:
     """Blocks per layer type (scratch included) of a pool holding ``kv_tokens`` full-attention
-    positions, and on sliding layers the window of ``max_seqs`` decoding sequences plus one
-    step's prompt chunk and ``cache_blocks`` for the prompt cache's restart windows."""
+    positions, and on sliding layers the window of ``max_seqs`` decoding sequences (each with
+    ``lookahead`` draft positions past its newest token) plus one step's prompt chunk and
+    ``cache_blocks`` for the prompt cache's restart windows."""
     kinds = {config.layer_types[i] for i in range(config.first_kv_shared_layer)}
     blocks = {}
     if FULL in kinds:
         blocks[FULL] = math.ceil(kv_tokens / block_size) + 1
     if SLIDING in kinds:
-        per_seq = sliding_blocks_per_seq(config.sliding_window, block_size, max_ctx)
+        per_seq = sliding_blocks_per_seq(config.sliding_window + lookahead, block_size, max_ctx)
         blocks[SLIDING] = max_seqs * per_seq + math.ceil(prefill_chunk / block_size) + 1 + cache_blocks
     return blocks
 

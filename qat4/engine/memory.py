@@ -86,13 +86,18 @@ def model_nbytes(packed: PackedModel, max_ctx: int, dtype: torch.dtype) -> int:
 GRAPH_NBYTES = 8 * MIB  # what one captured decode graph keeps beside the shared pool (attention partials)
 
 
-def decode_nbytes(packed: PackedModel, rows: int) -> int:
-    """Working memory of decode steps over up to ``rows`` sequences: the fp32 logits of a sampled
+def decode_nbytes(packed: PackedModel, seqs: int, spec_tokens: int = 0) -> int:
+    """Working memory of decode steps over up to ``seqs`` sequences, each with up to
+    ``spec_tokens`` drafts while at most SPEC_MAX_BATCH decode: per row the fp32 logits of a sampled
     step and as much again for the softmax beside them, headroom for the activations, and what the
-    two graphs captured per batch size (greedy and the default sampling) keep."""
+    two graphs captured per batch size and rows per sequence (greedy and the default sampling) keep."""
     from qat4.engine.model_runner import graph_sizes
+    from qat4.engine.speculation import SPEC_MAX_BATCH
 
-    return rows * (packed.config.vocab_size * 4 * 2 + (1 << 20)) + 2 * len(graph_sizes(rows)) * GRAPH_NBYTES
+    spec_sizes = [b for b in graph_sizes(seqs) if b <= SPEC_MAX_BATCH] if spec_tokens else []
+    rows = max([seqs] + [b * (1 + spec_tokens) for b in spec_sizes])
+    graphs = len(graph_sizes(seqs)) + len(spec_sizes) * spec_tokens
+    return rows * (packed.config.vocab_size * 4 * 2 + (1 << 20)) + 2 * graphs * GRAPH_NBYTES
 
 
 def tuning_reserve(device: torch.device) -> int:
@@ -118,6 +123,7 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig) -> Pla
     kv_tokens = int(config.kv_tokens or max_ctx)
     cap = _cap_memory(device, config.memory_cap_mib) if config.memory_cap_mib is not None else None
     bs = config.block_size
+    spec_tokens = config.spec_tokens if config.speculative else 0
 
     sliding_nbytes = block_nbytes(cfg, SLIDING, bs, dtype)
     cache_mib = DEFAULT_PROMPT_CACHE_MIB if config.prompt_cache_mib is None else config.prompt_cache_mib
@@ -126,7 +132,7 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig) -> Pla
 
     def kv(seqs: int, chunk: int, cache: int = 0) -> tuple[dict[str, int], int]:
         blocks = pool_blocks(cfg, kv_tokens=kv_tokens, max_seqs=seqs, prefill_chunk=chunk, max_ctx=max_ctx,
-                             block_size=bs, cache_blocks=cache)
+                             block_size=bs, cache_blocks=cache, lookahead=spec_tokens)
         return blocks, pool_nbytes(cfg, blocks, bs, seqs, max_ctx, dtype)
 
     if device.type != "cuda":
@@ -144,7 +150,7 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig) -> Pla
         """Bytes of the pool and decode rows, with (``working``) the prompt chunk's working memory
         and the autotuner's buffer, which only a load that tunes needs at once."""
         extra = chunk * PREFILL_BYTES_PER_TOKEN + reserve if working else 0
-        return kv(seqs, chunk)[1] + decode_nbytes(packed, seqs) + extra
+        return kv(seqs, chunk)[1] + decode_nbytes(packed, seqs, spec_tokens) + extra
 
     if config.max_num_seqs:
         seqs = int(config.max_num_seqs)

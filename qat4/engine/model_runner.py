@@ -2,11 +2,13 @@
 
 A step has two parts, both enqueued before the host waits for anything:
 
-- **decode rows**, one token per sequence: on CUDA a graph captured per padded batch size (1, 2, 4,
-  8, then every 16 up to ``max_num_seqs``) and per sampling shape (``keep``, see
-  :mod:`qat4.engine.sampler`), replayed with the rows' ids, positions and slots copied into its
-  static input buffer; the padding rows point at the pool's scratch row. A row whose id is still
-  on the device (the token sampled by the previous step) reads it from ``last_token[slot]``.
+- **decode rows**, one token per sequence, or with speculative decoding ``q`` = 1 + k tokens per
+  sequence (its newest token and k drafts, every one sampled): on CUDA a graph captured per padded
+  batch size (1, 2, 4, 8, then every 16 up to ``max_num_seqs``), per ``q`` and per sampling shape
+  (``keep``, see :mod:`qat4.engine.sampler`), replayed with the rows' ids, positions and slots
+  copied into its static input buffer; the padding rows point at the pool's scratch row. A row
+  whose id is still on the device (the token sampled by the previous step) reads it from
+  ``last_token[slot]``.
 - **prompt chunks**, eagerly: the tokens of one or more prompts as one flat batch.
 
 Each sampled token is written to ``last_token[slot]`` on the device (the next step's input) and to
@@ -38,25 +40,38 @@ def graph_sizes(max_num_seqs: int) -> list[int]:
 
 
 class StepTokens:
-    """The tokens a launched step samples, in row order (decode rows, then prompt rows that
-    finished their prompt), readable once the device has produced them."""
+    """The tokens a launched step samples for each of its sequences (decode rows, then prompt rows
+    that finished their prompt), readable once the device has produced them: one per sequence, or
+    1 + k for a decoding sequence that fed k drafts (``drafts``, as launched)."""
 
-    def __init__(self, seqs: list[Sequence], host: torch.Tensor, event: torch.cuda.Event | None):
-        self.seqs, self._host, self._event = seqs, host, event
+    def __init__(self, seqs: list[Sequence], drafts: list[list[int]], host: torch.Tensor,
+                 event: torch.cuda.Event | None):
+        self.seqs, self.drafts, self._host, self._event = seqs, drafts, host, event
 
-    def read(self) -> list[int]:
+    @property
+    def verifies(self) -> bool:
+        """Whether the step fed drafts (how many of its tokens count is known only once read)."""
+        return any(self.drafts)
+
+    def read(self) -> list[list[int]]:
         if self._event is not None:
             self._event.synchronize()
-        return self._host[: len(self.seqs)].tolist()
+        flat = self._host[: sum(1 + len(d) for d in self.drafts)].tolist()
+        out, i = [], 0
+        for d in self.drafts:
+            out.append(flat[i : i + 1 + len(d)])
+            i += 1 + len(d)
+        return out
 
 
 class ModelRunner:
     """The model, the KV pool and the per-slot device state of one engine."""
 
-    def __init__(self, model: Gemma4, pool: KVPool, *, max_num_seqs: int, use_graph: bool):
+    def __init__(self, model: Gemma4, pool: KVPool, *, max_num_seqs: int, use_graph: bool, max_rows: int = 0):
         dev = model.device
         self.model, self.pool, self.device = model, pool, dev
         self.max_num_seqs, self.max_ctx = max_num_seqs, pool.max_ctx
+        rows = max(max_num_seqs, max_rows)  # decode rows of one step: sequences times (1 + drafts)
         self.use_graph = use_graph and dev.type == "cuda"
         self.vocab_size = model.config.vocab_size
         slots = max_num_seqs + 1  # the last is the scratch row
@@ -66,13 +81,13 @@ class ModelRunner:
         self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)
         self.seed = torch.zeros(slots, dtype=torch.int64, device=dev)
         self.sizes = graph_sizes(max_num_seqs)
-        self._meta = torch.zeros(3, max_num_seqs, dtype=torch.int64, device=dev)  # ids (-1: on device), positions, slots
+        self._meta = torch.zeros(3, rows, dtype=torch.int64, device=dev)  # ids (-1: on device), positions, slots
         self._cu_q = torch.arange(max_num_seqs + 1, dtype=torch.int64, device=dev)
-        self._decoded = torch.zeros(max_num_seqs, dtype=torch.int64, device=dev)
+        self._decoded = torch.zeros(rows, dtype=torch.int64, device=dev)
         pinned = dev.type == "cuda"
-        self._host = [torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._host = [torch.zeros(rows + max_num_seqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self._turn = 0
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}  # (batch size, q, keep)
         self._graph_pool = None
 
     # ---- per-slot state ------------------------------------------------------------------------
@@ -109,51 +124,65 @@ class ModelRunner:
         draws = uniforms(self.seed[slots], positions + 1)
         return sample(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], draws, keep)
 
-    def _decode(self, b: int, keep: int) -> None:
-        """The decode rows of ``_meta[:, :b]``: forward, pick, and the tokens into ``last_token``
-        and ``_decoded`` (what a graph captures)."""
-        ids, positions, slots = self._meta[:, :b]
+    def _decode(self, b: int, q: int, keep: int) -> None:
+        """The decode rows of ``_meta[:, :b * q]``, q consecutive positions for each of b
+        sequences: forward, pick a token at every row, the tokens into ``_decoded`` and, with one
+        row per sequence, into ``last_token`` (what a graph captures)."""
+        ids, positions, slots = self._meta[:, : b * q]
         ids = torch.where(ids >= 0, ids, self.last_token[slots])
-        batch = self._batch(slots, positions, self._cu_q[: b + 1], slots, 1, self.max_ctx)
+        rows = slots if q == 1 else slots[::q].contiguous()
+        batch = self._batch(slots, positions, self._cu_q[: b + 1] * q, rows, q, self.max_ctx)
         tokens = self.pick(self.model.forward(ids, positions, self.pool, batch), slots, positions, keep)
-        self.last_token.index_copy_(0, slots, tokens)
-        self._decoded[:b].copy_(tokens)
+        if q == 1:
+            self.last_token.index_copy_(0, slots, tokens)
+        self._decoded[: b * q].copy_(tokens)
 
-    def _padded(self, n: int) -> int:
+    def padded(self, n: int) -> int:
+        """The batch size whose graph serves n sequences (n itself without graphs)."""
         return next(b for b in self.sizes if b >= n) if self.use_graph else n
 
-    def capture(self, b: int, keep: int) -> None:
-        """Capture the decode graph of batch size b and sampling shape keep, if not yet captured:
-        two eager runs first (they compile and tune the kernels), every row on the scratch row."""
-        if not self.use_graph or (b, keep) in self.graphs:
+    def capture(self, b: int, q: int, keep: int) -> None:
+        """Capture the decode graph of batch size b, q rows per sequence and sampling shape keep,
+        if not yet captured: two eager runs first (they compile and tune the kernels), every row
+        on the scratch row."""
+        if not self.use_graph or (b, q, keep) in self.graphs:
             return
-        self._meta[:, :b] = torch.tensor([[0], [0], [self.pool.scratch_row]], device=self.device)
+        self._meta[:, : b * q] = torch.tensor([[0], [0], [self.pool.scratch_row]], device=self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._decode(b, keep)
+                self._decode(b, q, keep)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            self._decode(b, keep)
+            self._decode(b, q, keep)
         self._graph_pool = graph.pool()
-        self.graphs[(b, keep)] = graph
+        self.graphs[(b, q, keep)] = graph
+
+    def replay(self, b: int, q: int, keep: int) -> None:
+        """Run the decode rows now in ``_meta`` (a captured graph, or eagerly without graphs)."""
+        if self.use_graph:
+            self.graphs[(b, q, keep)].replay()
+        else:
+            self._decode(b, q, keep)
 
     def run_decode(self, seqs: list[Sequence], keep: int) -> torch.Tensor:
-        """Enqueue one decode row per sequence (its newest position); returns their tokens [n]."""
-        n, b = len(seqs), self._padded(len(seqs))
-        self.capture(b, keep)  # before the rows go in: a capture runs on the scratch row
-        pad = b - n
-        rows = [[-1 if s.pending else s.newest_known for s in seqs] + [0] * pad,
-                [s.length - 1 for s in seqs] + [0] * pad,
-                [s.slot for s in seqs] + [self.pool.scratch_row] * pad]
-        self._meta[:, :b].copy_(to_device(torch.tensor(rows, dtype=torch.int64), self.device))
-        if self.use_graph:
-            self.graphs[(b, keep)].replay()
-        else:
-            self._decode(b, keep)
-        return self._decoded[:n]
+        """Enqueue the decode rows of ``seqs``: each one's newest position, then its drafts (every
+        sequence has as many). Returns their tokens [n * (1 + drafts)], sequence by sequence."""
+        n, b, k = len(seqs), self.padded(len(seqs)), len(seqs[0].drafts)
+        q = k + 1
+        self.capture(b, q, keep)  # before the rows go in: a capture runs on the scratch row
+        pad = (b - n) * q
+        ids, positions, slots = [], [], []
+        for s in seqs:
+            ids += [-1 if s.pending else s.newest_known, *s.drafts]
+            positions += range(s.length - 1, s.length + k)
+            slots += [s.slot] * q
+        rows = [ids + [0] * pad, positions + [0] * pad, slots + [self.pool.scratch_row] * pad]
+        self._meta[:, : b * q].copy_(to_device(torch.tensor(rows, dtype=torch.int64), self.device))
+        self.replay(b, q, keep)
+        return self._decoded[: n * q]
 
     def forward_chunks(self, chunks: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor,
                                                                            torch.Tensor]:
@@ -206,8 +235,9 @@ class ModelRunner:
         event = None
         if seqs:
             tokens = parts[0] if len(parts) == 1 else torch.cat(parts)
-            host[: len(seqs)].copy_(tokens, non_blocking=host.is_pinned())
+            host[: tokens.shape[0]].copy_(tokens, non_blocking=host.is_pinned())
             if self.device.type == "cuda":
                 event = torch.cuda.Event()
                 event.record()
-        return StepTokens(seqs, host, event)
+        drafts = [list(s.drafts) for s in decode] + [[] for _ in seqs[len(decode) :]]
+        return StepTokens(seqs, drafts, host, event)

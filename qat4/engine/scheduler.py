@@ -1,7 +1,7 @@
 """Which sequences run in the next step, and with how many tokens each.
 
 First come, first served. Every step, each running sequence that is decoding feeds its newest
-token (a decode row); prompts are read in chunks of at most ``prefill_chunk`` tokens per step,
+token (a decode row), and its drafts after it when it speculates; prompts are read in chunks of at most ``prefill_chunk`` tokens per step,
 over all the sequences reading one, so a long prompt that arrives mid-stream delays the running
 sequences by one chunk per step, never by its whole read. A prompt's chunks always start at
 multiples of ``prefill_chunk``; a chunk that does not fit in what the step has left waits for the
@@ -29,8 +29,9 @@ from qat4.errors import Qat4Error
 
 @dataclass
 class Batch:
-    """One step's work: decode rows (one token each, graph-capturable) and prompt chunks (a
-    sequence and how many of its tokens, from ``num_computed`` on)."""
+    """One step's work: decoding sequences (their newest token and as many drafts each,
+    graph-capturable) and prompt chunks (a sequence and how many of its tokens, from
+    ``num_computed`` on)."""
 
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)
@@ -75,7 +76,7 @@ class Scheduler:
                 continue
             feed = seq.length - seq.num_computed
             if feed == 1:
-                if seq.wants_token and self._grow(seq, seq.length, preempt_self=True):
+                if seq.wants_token and self._grow(seq, seq.length + len(seq.drafts), preempt_self=True):
                     batch.decode.append(seq)
             elif feed > 1:
                 n = self._chunk(seq, budget)

@@ -6,6 +6,10 @@ sampled on the device and not yet read; ``num_computed`` counts positions whose 
 written (launched). A step feeds positions ``num_computed .. length - 1``: the host's ids, and for
 the newest position an id still on the device. When the fed positions reach ``length`` the step
 also samples the next token.
+
+With speculative decoding (:mod:`qat4.engine.speculation`) a decoding step may also feed ``drafts``
+after the newest token; the step's tokens are read back before the next one is scheduled, and
+``num_computed`` then moves past the drafts the target agreed with only.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from qat4.engine.prefix import extend_block_hashes
 from qat4.engine.sampler import SamplingParams
 
 _ids = itertools.count()
+DRAFT_PRIOR = (2.0, 1.0)  # pseudo-counts of kept and refused drafts: a new sequence is tried at 2 in 3
 
 
 class State(enum.Enum):
@@ -50,6 +55,12 @@ class Sequence:
     preemptions: int = 0
     new_slot: bool = False  # admitted since its sampling parameters were last set on the device
     cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache at admission
+    drafts: list[int] = field(default_factory=list)  # proposed tokens fed after the newest in the next step
+    drafted: int = 0  # draft tokens verified so far
+    accepted: int = 0  # of those, the ones the target agreed with
+    draft_stats: list[float] = field(default_factory=lambda: list(DRAFT_PRIOR))  # decayed kept, refused drafts
+    idle_steps: int = 0  # decode steps since it last verified drafts
+    draft_state: object = field(default=None, repr=False)  # the drafter's per-sequence index
     _hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property

@@ -44,13 +44,17 @@ def descend(start: Tilings, candidates: dict[tuple, list[dict]], measure: Callab
     return best, best_value, start_value
 
 
-def step_time_us(runner, key: tuple[int, int], replays: int) -> float:
-    """Capture the runner's decode graph for `key` (batch size, keep) anew with the tilings pinned
-    now and return µs per replay (best of three runs of `replays`). A capture writes only the
+def step_time_us(runner, key: tuple[int, int, int], replays: int) -> float:
+    """Capture the runner's decode graph for `key` (batch size, rows per sequence, keep) anew with
+    the tilings pinned now and return µs per replay (:func:`replay_us`). A capture writes only the
     pool's scratch row, so the replays do too."""
     runner.graphs.pop(key, None)
     runner.capture(*key)
-    graph = runner.graphs[key]
+    return replay_us(runner.graphs[key], replays)
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """µs per replay of a captured graph: the best of three runs of `replays`, after ten."""
     for _ in range(10):
         graph.replay()
     torch.cuda.synchronize()
@@ -66,9 +70,9 @@ def step_time_us(runner, key: tuple[int, int], replays: int) -> float:
     return best
 
 
-def tune_decode_tilings(runner, key: tuple[int, int], replays: int = 50,
+def tune_decode_tilings(runner, key: tuple[int, int, int], replays: int = 50,
                         margin: float = 0.01) -> tuple[Tilings, float, float]:
-    """Pick every GEMV tiling of the decode graph `key` (batch size, keep) by whole-step replay
+    """Pick every GEMV tiling of the decode graph `key` (batch size, rows per sequence, keep) by whole-step replay
     time (module docstring) and pin them.
 
     Starts from the tilings in use (the autotuner's picks, or those pinned at load). Drops the
