@@ -35,9 +35,11 @@ def tiny_tokenizer() -> Tokenizer:
 
 
 @functools.cache
-def tiny_engine() -> Engine:
-    """The real engine on the tiny synthetic model (built in memory), on the CPU."""
-    return Engine.from_packed(synthetic_model(PRESETS["tiny"]), "cpu", max_ctx=TINY_MAX_CTX, tokenizer=tiny_tokenizer())
+def tiny_engine(**options) -> Engine:
+    """The real engine on the tiny synthetic model (built in memory), on the CPU; ``options`` are
+    EngineConfig fields."""
+    return Engine.from_packed(synthetic_model(PRESETS["tiny"]), "cpu", max_ctx=TINY_MAX_CTX, tokenizer=tiny_tokenizer(),
+                              **options)
 
 
 class ScriptedEngine:

@@ -60,6 +60,36 @@ def test_bench_peers_hf_runs_transformers_on_the_same_weights(tmp_path):
     assert peer["qat4_prompt_ratio"] == pytest.approx(report["prompt_tok_s"] / peer["prompt_tok_s"])
 
 
+def test_bench_speculative_on_the_cpu(tmp_path):
+    """The replay drafter at acceptance 1 has every draft kept and at 0 none; the step costs cover
+    k = 0 .. --spec-tokens."""
+    out = tmp_path / "spec.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "qat4.cli", "bench", "speculative", "--model", "synthetic:tiny", "--device", "cpu",
+         "--batch", "1", "--acceptance", "0,1", "--k", "2", "--new", "6", "--context", "16", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "a step verifying k drafts" in proc.stdout and "adaptive" in proc.stdout
+    report = json.loads(out.read_text())
+    assert len(report["step_us"]["1"]) == 3 and report["plain_tok_s"]["1"] > 0
+    fixed = {p["acceptance"]: p for p in report["curve"] if p["spec_tokens"] == 2}
+    assert fixed[1.0]["seen_acceptance"] == 1.0 and fixed[1.0]["tokens_per_step"] > 2
+    assert fixed[0.0]["seen_acceptance"] == 0.0 and fixed[0.0]["tokens_per_step"] == 1.0
+    assert fixed[0.0]["verifications"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--acceptance", "0,2"], "--acceptance values must be between 0 and 1"),
+    (["--k", "4", "--spec-tokens", "2"], "--k 4 is more than --spec-tokens 2"),
+])
+def test_bench_speculative_bad_arguments_are_one_line(args, message):
+    base = ["bench", "speculative", "--model", "synthetic:tiny", "--device", "cpu"]
+    proc = subprocess.run([sys.executable, "-m", "qat4.cli", *base, *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--depths", "0,x"], "--depths must be comma-separated integers"),
     (["--model", "synthetic:huge"], "unknown synthetic preset"),

@@ -33,7 +33,8 @@ WEATHER_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 WEATHER_CALL = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_response>'
 QUESTION = {"role": "user", "content": "What is the weather in Paris right now?"}
-TIMING_KEYS = {"cache_n", "prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "decode_ms", "decode_tok_per_s"}
+TIMING_KEYS = {"cache_n", "prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "decode_ms", "decode_tok_per_s",
+               "draft_n", "draft_n_accepted"}
 
 
 def openai_client(server: LiveServer, api_key: str = "unused") -> openai.OpenAI:
@@ -50,6 +51,24 @@ def metric(text: str, name: str) -> float:
 def real():
     with LiveServer(create_app(tiny_engine(), model_name="tiny")) as server:
         yield server
+
+
+def test_a_speculating_server_reports_its_drafts_and_answers_as_a_plain_one(real):
+    """Prompt lookup on a prompt that repeats itself: the greedy reply is the plain server's, and
+    the timings and /metrics count the draft tokens verified and kept."""
+    prompt = "one two three four five six seven eight " * 6
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    plain = httpx.post(real.url + "/v1/completions", json=body, timeout=120).json()
+    with LiveServer(create_app(tiny_engine(speculative="ngram", spec_tokens=3, spec_adaptive=False),
+                               model_name="tiny")) as spec:
+        reply = httpx.post(spec.url + "/v1/completions", json=body, timeout=120).json()
+        metrics = httpx.get(spec.url + "/metrics").text
+    assert reply["choices"][0]["text"] == plain["choices"][0]["text"]
+    timings = reply["timings"]
+    assert timings["draft_n"] > 0 and 0 <= timings["draft_n_accepted"] <= timings["draft_n"]
+    assert plain["timings"]["draft_n"] == 0
+    assert f"qat4_spec_draft_tokens_total {timings['draft_n']}" in metrics
+    assert f"qat4_spec_accepted_tokens_total {timings['draft_n_accepted']}" in metrics
 
 
 @pytest.fixture

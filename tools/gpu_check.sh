@@ -4,7 +4,7 @@
 # ./out). Compiled kernels stay in $TRITON_CACHE_DIR (default /tmp/qat4_triton_cache); the cache
 # also leaves as $OUT/triton_cache.tar.xz.NN (15 MiB parts), and parts found in .triton_cache/ are
 # unpacked into it first, so a fresh machine starts with the kernels an earlier one compiled.
-#   usage: tools/gpu_check.sh STEP...   steps: kernels sweep tests bench cap tune serve turns profile all
+#   usage: tools/gpu_check.sh STEP...   steps: kernels sweep tests bench cap tune serve turns spec profile all
 #     kernels  the int4 kernels at E2B decode shapes: GEMV, decode-batch kernel and GEMM at 2, 16, 64 rows
 #     sweep    every decode-batch tiling at 4, 16 and 64 rows (tools/bench_w4.py --sweep)
 #     tests    pytest -m gpu tests/gpu
@@ -13,6 +13,7 @@
 #     tune     qat4 bench --tune (saves decode tilings to $LOGS/decode_tilings.json, used by later steps)
 #     serve    qat4 bench serve at 1, 4, 16, 64 clients (512-token prompts, 128 new tokens)
 #     turns    qat4 bench serve --multi-turn: 8 conversations of 10 turns over an 8,000-word history
+#     spec     qat4 bench speculative: verification cost and speed-up at acceptance 0 .. 0.9, batch 1 and 16
 #     profile  tools/profile_step.py at 1 and 64 sequences
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,6 +79,10 @@ fi
 if want turns; then
     timeout ${TURNS_TIMEOUT:-300} python3 -m qat4.cli bench serve "${E2B[@]}" --multi-turn 10 --sessions 8 --input-len 8000 \
         --turn-len 64 --output-len 64 --json "$LOGS/bench_turns.json" 2>&1 | tee "$LOGS/bench_turns.log" | tail -16
+fi
+if want spec; then
+    timeout ${SPEC_TIMEOUT:-300} python3 -m qat4.cli bench speculative "${E2B[@]}" --batch 1,16 --acceptance 0,0.3,0.5,0.7,0.9 \
+        --k ${SPEC_KS:-1,2,3,4,6,8} --new 128 --context 512 --json "$LOGS/bench_spec.json" 2>&1 | tee "$LOGS/bench_spec.log" | tail -40
 fi
 if want profile; then
     for batch in ${PROFILE_BATCHES:-1 64}; do

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from qat4.commands.model_args import DEVICES, resolve_device
+from qat4.commands.model_args import DEVICES, add_speculative_arguments, resolve_device, speculative_options
 from qat4.errors import Qat4Error
 
 SYNTHETIC = "synthetic:"
@@ -52,9 +52,66 @@ def add_parser(sub) -> None:
     p.add_argument("--peers", choices=["hf"], help="also run transformers' Gemma 4 (bf16, same weights) and print the ratios")
     p.add_argument("--tune", action="store_true",
                    help="first choose each decode GEMV's tiling by the whole step's replay time and save it for this GPU")
+    add_speculative_arguments(p)
     p.set_defaults(run=run)
-    modes = p.add_subparsers(dest="bench_mode", title="instead of an engine, a server", metavar="serve")
+    modes = p.add_subparsers(dest="bench_mode", title="other measurements", metavar="serve | speculative")
     _add_serve_parser(modes)
+    _add_speculative_parser(modes)
+
+
+def _add_speculative_parser(modes) -> None:
+    p = modes.add_parser(
+        "speculative", help="cost of verifying drafts and speed-up at controlled acceptance rates",
+        description="Measure speculative decoding on one engine: the cost of a step verifying k drafts per "
+        "sequence (k = 0 .. --spec-tokens) at each --batch size, then greedy decode tok/s with a replay "
+        "drafter whose draft tokens are the true continuation with probability A for each A of --acceptance, "
+        "for each k of --k and with the engine's adaptive choice of k, beside plain decoding.")
+    p.add_argument("--model", required=True, help="checkpoint folder, GGUF file, Hub id, or synthetic:e2b / synthetic:tiny")
+    p.add_argument("--batch", default="1,16", metavar="B,B,...", help="sequences decoding together (default: %(default)s)")
+    p.add_argument("--acceptance", default="0,0.3,0.5,0.7,0.9", metavar="A,A,...",
+                   help="chances that a draft token is the true one (default: %(default)s)")
+    p.add_argument("--k", default="1,2,3,4", metavar="K,K,...", help="drafts per step to measure (default: %(default)s)")
+    p.add_argument("--spec-tokens", type=int, default=None, metavar="K",
+                   help="most drafts per step the engine is built for (default: the largest of --k)")
+    p.add_argument("--new", type=int, default=128, help="tokens decoded per sequence (default: %(default)s)")
+    p.add_argument("--context", type=int, default=512, help="prompt tokens per sequence (default: %(default)s)")
+    p.add_argument("--device", choices=DEVICES, default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default: %(default)s)")
+    p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+    p.set_defaults(run=run_speculative)
+
+
+def run_speculative(args: argparse.Namespace) -> int:
+    import torch
+
+    from qat4 import bench, bench_speculative
+    from qat4.engine import Engine
+
+    batches = _int_list(args.batch, "--batch", 1, "numbers of sequences of at least 1")
+    ks = _int_list(args.k, "--k", 1, "draft counts of at least 1")
+    try:
+        acceptances = [float(a) for a in args.acceptance.split(",")]
+    except ValueError:
+        raise Qat4Error(f"--acceptance must be comma-separated numbers, got {args.acceptance!r}") from None
+    if not all(0 <= a <= 1 for a in acceptances):
+        raise Qat4Error(f"--acceptance values must be between 0 and 1, got {args.acceptance!r}")
+    spec_tokens = args.spec_tokens or max(ks)
+    if max(ks) > spec_tokens:
+        raise Qat4Error(f"--k {max(ks)} is more than --spec-tokens {spec_tokens}")
+    if args.new < 2 or args.context < 1:
+        raise Qat4Error("--new must be at least 2 and --context at least 1")
+    device = torch.device(resolve_device(args.device))
+    bench.progress(f"loading {args.model}")
+    packed = load_packed_for_bench(args.model, device, args.seed)
+    engine = Engine.from_packed(packed, device, max_ctx=args.context + args.new + 16, max_num_seqs=max(batches),
+                                kv_tokens=max(batches) * (args.context + args.new + 16), speculative="ngram",
+                                spec_tokens=spec_tokens)
+    report = bench_speculative.run(engine, args.model, batches, acceptances, ks, args.new, args.context,
+                                   log=bench.progress)
+    print(bench_speculative.format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
+    return 0
 
 
 def _add_serve_parser(modes) -> None:
@@ -157,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.reset_peak_memory_stats(device)
     engine = Engine.from_packed(packed, device, max_ctx=max_ctx, prefill_chunk=args.prefill_chunk,
                                 memory_cap_mib=args.memory_cap_mib, kv_tokens=kv_tokens,
-                                max_num_seqs=max(batches) if batches else None)
+                                max_num_seqs=max(batches) if batches else None, **speculative_options(args))
     bench.progress(f"engine ready in {time.perf_counter() - t0:.1f} s")
     if device.type == "cuda" and not args.tune:
         bench.progress(pinned_tilings_note(*engine.pinned_tilings))

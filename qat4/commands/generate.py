@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from qat4.commands.model_args import add_model_arguments, load_engine, resolve_device
+from qat4.commands.model_args import add_model_arguments, add_speculative_arguments, load_engine, resolve_device, \
+    speculative_options
 from qat4.errors import Qat4Error
 
 
@@ -23,6 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=None, metavar="K", help="keep the K most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=None, metavar="P", help="keep the most likely tokens up to probability P")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for sampling")
+    add_speculative_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -33,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt:
         raise Qat4Error("the prompt is empty; pass --prompt TEXT or pipe text on standard input")
-    engine = load_engine("generate", args.model, device, max_ctx=args.max_ctx)
+    engine = load_engine("generate", args.model, device, max_ctx=args.max_ctx, **speculative_options(args))
     if args.chat:
         from qat4.chat import render_prompt
 
@@ -43,8 +45,9 @@ def run(args: argparse.Namespace) -> int:
                              top_p=args.top_p, seed=args.seed)
     print(result.text)
     rate = "no rate (fewer than 2 decode steps)" if result.decode_tok_s is None else f"{result.decode_tok_s:.1f} tok/s"
+    drafts = f"{result.accepted} of {result.drafted} draft tokens kept, " if args.speculative else ""
     print(f"qat4 generate: {result.prompt_tokens} prompt tokens in {result.prefill_ms:.1f} ms, "
-          f"{len(result.tokens)} new tokens, decode {rate}, "
+          f"{len(result.tokens)} new tokens, decode {rate}, {drafts}"
           f"finish {result.finish_reason}, {engine.device.type} {str(engine.dtype).removeprefix('torch.')}",
           file=sys.stderr)
     return 0

@@ -26,6 +26,20 @@ def add_model_arguments(p: argparse.ArgumentParser, *, synthetic: bool = False) 
                    help=f"context length in tokens, prompt plus reply (default: the model's, at most {MAX_CTX_DEFAULT})")
 
 
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    """--speculative and --spec-tokens (speculative decoding; see speculative_options)."""
+    p.add_argument("--speculative", choices=("ngram",), default=None, metavar="DRAFTER",
+                   help="speculative decoding: ngram drafts the tokens that followed an earlier occurrence of the "
+                        "last few tokens (prompt lookup); the output is the same, token for token (default: off)")
+    p.add_argument("--spec-tokens", type=int, default=4, metavar="K",
+                   help="most draft tokens verified per step, 1 to 8; each step drafts as many as pay (default: 4)")
+
+
+def speculative_options(args: argparse.Namespace) -> dict:
+    """The EngineConfig options of --speculative and --spec-tokens."""
+    return {"speculative": args.speculative, "spec_tokens": args.spec_tokens}
+
+
 def resolve_device(choice: str | None) -> str:
     """--device as given, else cuda when a GPU is visible, else cpu; --device cuda without a GPU
     is refused here, before anything loads."""

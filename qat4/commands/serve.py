@@ -12,7 +12,8 @@ from pathlib import Path
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from qat4.commands.model_args import add_model_arguments, load_engine, resolve_device
+from qat4.commands.model_args import add_model_arguments, add_speculative_arguments, load_engine, resolve_device, \
+    speculative_options
 from qat4.errors import Qat4Error
 from qat4.server.limits import CHARS_PER_CONTEXT_TOKEN, DEFAULT_MAX_MESSAGES, DEFAULT_MAX_TOOLS, RequestLimits
 
@@ -44,6 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="memory kept for the prompt cache's restart windows beside the running sequences; "
                         "a request whose beginning an earlier one read reuses its KV (default: 64, less if memory "
                         "is short; 0 turns the cache off)")
+    add_speculative_arguments(p)
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
                    help=f"requests that may wait to join the batch; more get 429 (default: {DEFAULT_MAX_QUEUE})")
     p.add_argument("--allowed-origins", default="", metavar="ORIGINS",
@@ -140,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"qat4 serve: warning: listening on {args.host} without --api-key; anyone who can reach it can use it",
               file=sys.stderr)
     engine = load_engine("serve", args.model, device, max_ctx=args.max_ctx, memory_cap_mib=args.memory_cap_mib,
-                         max_num_seqs=args.max_num_seqs, kv_tokens=args.kv_tokens, prompt_cache_mib=args.prompt_cache_mib)
+                         max_num_seqs=args.max_num_seqs, kv_tokens=args.kv_tokens, prompt_cache_mib=args.prompt_cache_mib,
+                         **speculative_options(args))
     limits = RequestLimits.for_context(engine.max_ctx, max_messages=args.max_messages, max_tools=args.max_tools,
                                        max_prompt_chars=args.max_prompt_chars)
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
@@ -152,6 +155,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"qat4 serve: KV pool: {engine.pool.capacity_tokens} tokens, up to {engine.max_num_seqs} sequences "
           f"({engine.nbytes['kv_cache'] / (1 << 20):,.0f} MiB); prompts read {engine.prefill_chunk} tokens a step; "
           f"prompt cache {'on' if engine.pool.prompt_cache else 'off'}", file=sys.stderr)
+    if engine.speculator is not None:
+        print(f"qat4 serve: speculative decoding with {args.speculative} drafts, up to {engine.spec_tokens} a step "
+              f"at up to {engine.spec_sizes[-1]} sequences", file=sys.stderr)
     if engine.device.type == "cuda":
         print(f"qat4 serve: {pinned_tilings_note(*engine.pinned_tilings)}", file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=HeaderTimeoutProtocol,

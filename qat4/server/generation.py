@@ -53,13 +53,16 @@ class Timings:
     """llama.cpp-style timings. prompt_n counts the prompt tokens read, cache_n those whose KV came
     from the prompt cache; prompt_ms runs from the start of the generation to the first token
     (prompt read, first token picked), predicted_ms from the first token to the last; the decode
-    rate counts the tokens after the first over predicted_ms, and is None with fewer than two."""
+    rate counts the tokens after the first over predicted_ms, and is None with fewer than two.
+    draft_n counts the draft tokens speculative decoding verified, draft_n_accepted those kept."""
 
     prompt_n: int
     prompt_ms: float
     predicted_n: int
     predicted_ms: float
     cache_n: int = 0
+    draft_n: int = 0
+    draft_n_accepted: int = 0
 
     def as_dict(self) -> dict[str, float | None]:
         steps = self.predicted_n - 1  # a rate needs two decode steps: the first was enqueued before token 1 came back
@@ -74,6 +77,8 @@ class Timings:
             "predicted_per_second": decode_per_s,
             "decode_ms": round(self.predicted_ms, 3),
             "decode_tok_per_s": decode_per_s,
+            "draft_n": self.draft_n,
+            "draft_n_accepted": self.draft_n_accepted,
         }
 
 
@@ -370,8 +375,11 @@ class Generation:
                 yield tail
         finally:
             self.cancel()
-            cached = job.seq.cached_tokens if job.seq is not None else 0
+            seq = job.seq
+            cached, drafted, accepted = (seq.cached_tokens, seq.drafted, seq.accepted) if seq is not None else (0, 0, 0)
             metrics.prompt_tokens.inc(amount=len(job.prompt_ids))
+            metrics.drafted.inc(amount=drafted)
+            metrics.draft_accepted.inc(amount=accepted)
             metrics.cache_hits.inc(amount=cached)
             metrics.cache_misses.inc(amount=len(job.prompt_ids) - cached)
             metrics.generated_tokens.inc(amount=n)
@@ -379,5 +387,6 @@ class Generation:
         reason = "stop" if by_token or stops.hit or n < job.params.max_tokens else "length"
         metrics.generations.inc(reason)
         prompt_ms = ((first if n else end) - (job.started_at or self._arrived)) * 1e3
-        timings = Timings(len(job.prompt_ids) - cached, prompt_ms, n, (end - first) * 1e3 if n else 0.0, cached)
+        timings = Timings(len(job.prompt_ids) - cached, prompt_ms, n, (end - first) * 1e3 if n else 0.0, cached,
+                          drafted, accepted)
         yield Finished(reason, len(job.prompt_ids), n, timings)

@@ -135,6 +135,8 @@ class Metrics:
         self.cache_hits = Counter("qat4_prompt_cache_hit_tokens_total", "Prompt tokens of finished generations whose KV came from the prompt cache.", (), lock)
         self.cache_misses = Counter("qat4_prompt_cache_miss_tokens_total", "Prompt tokens of finished generations read from scratch.", (), lock)
         self.generated_tokens = Counter("qat4_generated_tokens_total", "Tokens generated.", (), lock)
+        self.drafted = Counter("qat4_spec_draft_tokens_total", "Draft tokens verified by speculative decoding, in finished generations.", (), lock)
+        self.draft_accepted = Counter("qat4_spec_accepted_tokens_total", "Draft tokens the model agreed with and kept, in finished generations.", (), lock)
         self.generations = Counter("qat4_generations_total", "Generations by finish reason.", ("finish_reason",), lock)
         self.rejected = Counter("qat4_queue_rejections_total", "Requests answered 429 because the queue was full.", (), lock)
         self.latency = Histogram("qat4_request_duration_seconds", "HTTP request latency, to the last byte sent.", LATENCY_BUCKETS, lock)
@@ -149,7 +151,7 @@ class Metrics:
     def render(self) -> str:
         with self._lock:
             metrics = (self.requests, self.prompt_tokens, self.cache_hits, self.cache_misses, self.generated_tokens,
-                       self.generations, self.rejected, self.latency, self.ttft, self.queue_depth, self.running,
+                       self.drafted, self.draft_accepted, self.generations, self.rejected, self.latency, self.ttft, self.queue_depth, self.running,
                        self.busy, self.kv_usage, self.cached_blocks, self.batch_size)
             lines = [line for m in metrics for line in m.render()]
         return "\n".join(lines) + "\n"
