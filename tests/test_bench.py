@@ -82,6 +82,7 @@ def test_bench_speculative_on_the_cpu(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--acceptance", "0,2"], "--acceptance values must be between 0 and 1"),
     (["--k", "4", "--spec-tokens", "2"], "--k 4 is more than --spec-tokens 2"),
+    (["--batch", "17"], "--batch 17 is more than 16, the most sequences that speculate together"),
 ])
 def test_bench_speculative_bad_arguments_are_one_line(args, message):
     base = ["bench", "speculative", "--model", "synthetic:tiny", "--device", "cpu"]

@@ -31,3 +31,14 @@ def test_cuda_without_a_gpu_is_one_line(command, monkeypatch, capsys):
 def test_generate_refuses_max_new_below_one_before_loading(max_new, capsys):
     assert main(["generate", "--model", MISSING_MODEL, "--prompt", "hi", "--max-new", max_new, "--device", "cpu"]) == 1
     assert f"--max-new is {max_new}; it must be at least 1" in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--speculative", "eagle"], "--speculative eagle is not a drafter qat4 has; the choices are: ngram"),
+    (["--spec-tokens", "3"], "--spec-tokens sets how many drafts speculative decoding verifies; it needs --speculative"),
+    (["--speculative", "ngram", "--spec-tokens", "9"], "--spec-tokens is 9; it must be 1 to 8"),
+])
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
+def test_speculative_flags_are_checked_before_loading(command, flags, message, capsys):
+    assert main([*command, "--model", MISSING_MODEL, "--device", "cpu", *flags]) == 1
+    assert message in _one_line_error(capsys)

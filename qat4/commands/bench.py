@@ -87,7 +87,11 @@ def run_speculative(args: argparse.Namespace) -> int:
     from qat4 import bench, bench_speculative
     from qat4.engine import Engine
 
+    from qat4.engine.speculation import SPEC_MAX_BATCH
+
     batches = _int_list(args.batch, "--batch", 1, "numbers of sequences of at least 1")
+    if max(batches) > SPEC_MAX_BATCH:
+        raise Qat4Error(f"--batch {max(batches)} is more than {SPEC_MAX_BATCH}, the most sequences that speculate together")
     ks = _int_list(args.k, "--k", 1, "draft counts of at least 1")
     try:
         acceptances = [float(a) for a in args.acceptance.split(",")]
@@ -95,7 +99,7 @@ def run_speculative(args: argparse.Namespace) -> int:
         raise Qat4Error(f"--acceptance must be comma-separated numbers, got {args.acceptance!r}") from None
     if not all(0 <= a <= 1 for a in acceptances):
         raise Qat4Error(f"--acceptance values must be between 0 and 1, got {args.acceptance!r}")
-    spec_tokens = args.spec_tokens or max(ks)
+    spec_tokens = max(ks) if args.spec_tokens is None else args.spec_tokens
     if max(ks) > spec_tokens:
         raise Qat4Error(f"--k {max(ks)} is more than --spec-tokens {spec_tokens}")
     if args.new < 2 or args.context < 1:

@@ -28,15 +28,25 @@ def add_model_arguments(p: argparse.ArgumentParser, *, synthetic: bool = False) 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     """--speculative and --spec-tokens (speculative decoding; see speculative_options)."""
-    p.add_argument("--speculative", choices=("ngram",), default=None, metavar="DRAFTER",
+    p.add_argument("--speculative", default=None, metavar="DRAFTER",
                    help="speculative decoding: ngram drafts the tokens that followed an earlier occurrence of the "
                         "last few tokens (prompt lookup); the output is the same, token for token (default: off)")
-    p.add_argument("--spec-tokens", type=int, default=4, metavar="K",
+    p.add_argument("--spec-tokens", type=int, default=None, metavar="K",
                    help="most draft tokens verified per step, 1 to 8; each step drafts as many as pay (default: 4)")
 
 
 def speculative_options(args: argparse.Namespace) -> dict:
-    """The EngineConfig options of --speculative and --spec-tokens."""
+    """The EngineConfig options of --speculative and --spec-tokens, checked before anything loads."""
+    from qat4.engine.config import DRAFTERS, MAX_SPEC_TOKENS
+
+    if args.speculative is not None and args.speculative not in DRAFTERS:
+        raise Qat4Error(f"--speculative {args.speculative} is not a drafter qat4 has; the choices are: {', '.join(DRAFTERS)}")
+    if args.spec_tokens is None:
+        return {"speculative": args.speculative}
+    if not args.speculative:
+        raise Qat4Error("--spec-tokens sets how many drafts speculative decoding verifies; it needs --speculative")
+    if not 1 <= args.spec_tokens <= MAX_SPEC_TOKENS:
+        raise Qat4Error(f"--spec-tokens is {args.spec_tokens}; it must be 1 to {MAX_SPEC_TOKENS}")
     return {"speculative": args.speculative, "spec_tokens": args.spec_tokens}
 
 

@@ -11,6 +11,7 @@ from qat4.errors import Qat4Error
 MAX_CTX_DEFAULT = 131_072
 BLOCK_SIZE_DEFAULT = 16
 MAX_SPEC_TOKENS = 8
+DRAFTERS = ("ngram",)  # the speculative drafters qat4.engine.speculation.make_drafter builds
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class EngineConfig:
             raise Qat4Error(f"block_size is {self.block_size}; it must be a power of two")
         if self.prompt_cache_mib is not None and not self.prompt_cache_mib >= 0:
             raise Qat4Error(f"prompt_cache_mib is {self.prompt_cache_mib}; it must be 0 (off) or more")
+        if self.speculative is not None and self.speculative not in DRAFTERS:
+            raise Qat4Error(f"speculative drafter {self.speculative!r} is not known; the choices are: {', '.join(DRAFTERS)}")
         if not 1 <= self.spec_tokens <= MAX_SPEC_TOKENS:
             raise Qat4Error(f"spec_tokens is {self.spec_tokens}; it must be 1 to {MAX_SPEC_TOKENS}")
         if self.memory_cap_mib is not None and not self.memory_cap_mib > 0:

@@ -353,7 +353,8 @@ class Engine:
         k = self.speculator.propose(decoding, self.speculator.draft_length(decoding))
         batch = self.scheduler.schedule()
         self._in_flight = self._launch(batch) if batch else None
-        self._verify_started = (now, len(batch.decode), k) if k and batch.decode and not batch.prefill else None
+        k = len(batch.decode[0].drafts) if batch.decode else 0  # the scheduler drops drafts it has no room for
+        self._verify_started = (now, len(batch.decode), k) if k and not batch.prefill else None
         for seq in decoding:
             seq.drafts = []
         return outputs
@@ -389,18 +390,19 @@ class Engine:
         for seq, drafts, picked in zip(launched.seqs, launched.drafts, tokens):
             if seq.finished:  # aborted, or ended by the token before
                 continue
-            if drafts:
-                kept = accepted_count(drafts, picked)
-                self.speculator.record(seq, len(drafts), kept)
-                seq.num_computed += kept
-                seq.pending += kept
-                picked = picked[: kept + 1]
-            for token in picked:
+            kept = accepted_count(drafts, picked)
+            seq.num_computed += kept
+            seq.pending += kept
+            taken = 0
+            for token in picked[: kept + 1]:
                 done = seq.accept(token, now)
                 outputs.append(StepOutput(seq, token, done))
+                taken += 1
                 if done:
                     self.scheduler.finish(seq, seq.finish_reason)
                     break
+            if drafts:  # drafts after a stop token were kept by the target but are not in the reply
+                self.speculator.record(seq, len(drafts), min(kept, taken))
         return outputs
 
     # ---- one sequence ------------------------------------------------------------------------
@@ -471,7 +473,9 @@ class Engine:
         tokens: list[int] = []
         reason = "length"
         tail = max((len(s) for s in stop), default=0) + 8  # tokens enough to hold any stop string
+        produced = 0  # tokens read, the stop token included (a step may bring more after it)
         for token in self._tokens_of(seq):
+            produced += 1
             if token in seq.stop_ids:
                 reason = "stop"
                 break
@@ -488,7 +492,7 @@ class Engine:
             prompt_tokens=len(seq.prompt),
             prefill_ms=(seq.first_token_at - seq.arrived) * 1e3,
             decode_ms=(seq.last_token_at - seq.first_token_at) * 1e3,
-            decode_steps=len(seq.output) - 1,
+            decode_steps=produced - 1,
             cached_tokens=seq.cached_tokens,
             drafted=seq.drafted,
             accepted=seq.accepted,

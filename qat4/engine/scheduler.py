@@ -1,7 +1,8 @@
 """Which sequences run in the next step, and with how many tokens each.
 
 First come, first served. Every step, each running sequence that is decoding feeds its newest
-token (a decode row), and its drafts after it when it speculates; prompts are read in chunks of at most ``prefill_chunk`` tokens per step,
+token (a decode row), and its drafts after it when it speculates and the pool has room for them
+without preempting anyone; prompts are read in chunks of at most ``prefill_chunk`` tokens per step,
 over all the sequences reading one, so a long prompt that arrives mid-stream delays the running
 sequences by one chunk per step, never by its whole read. A prompt's chunks always start at
 multiples of ``prefill_chunk``; a chunk that does not fit in what the step has left waits for the
@@ -71,6 +72,7 @@ class Scheduler:
         """The next step's batch; allocates the KV blocks it writes (on the host side)."""
         batch = Batch()
         budget = self.prefill_chunk
+        self._drop_drafts_without_room()
         for seq in list(self.running):
             if seq.state is not State.RUNNING:  # preempted by a sequence before it
                 continue
@@ -93,6 +95,22 @@ class Scheduler:
             batch.prefill.append((seq, n))
             budget -= n
         return batch
+
+    def _drop_drafts_without_room(self) -> None:
+        """Drafts only where the pool holds them beside everything else: when the free blocks do
+        not cover every drafting sequence's positions through its drafts, none drafts this step
+        (a draft never preempts a sequence, and a step's sequences draft alike or not at all)."""
+        drafting = [s for s in self.running if s.drafts]
+        if not drafting:
+            return
+        pool = self.pool
+        for kind, alloc in pool.allocators.items():
+            need = sum(pool.blocks_to_grow(s.slot, s.length + len(s.drafts), s.num_computed)[kind]
+                       - pool.freeable(s.slot, kind, s.num_computed) for s in drafting)
+            if need > alloc.num_free:
+                for s in drafting:
+                    s.drafts = []
+                return
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of seq's prompt to read now: the rest of its current chunk if the budget holds

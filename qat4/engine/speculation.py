@@ -96,10 +96,9 @@ class _NgramIndex:
 
 
 def make_drafter(spec: str) -> Drafter:
-    """The drafter that ``--speculative`` names: ``ngram`` (prompt lookup)."""
-    if spec == "ngram":
-        return PromptLookup()
-    raise Qat4Error(f"speculative drafter {spec!r} is not known; the choices are: ngram")
+    """The drafter that ``--speculative`` names (:data:`qat4.engine.config.DRAFTERS`, checked by
+    EngineConfig): ``ngram``, prompt lookup."""
+    return {"ngram": PromptLookup}[spec]()
 
 
 def accepted_count(drafts: list[int], tokens: list[int]) -> int:
@@ -212,10 +211,10 @@ COST_DEPTH = 1024  # context the step costs are measured at (attention grows wit
 @torch.no_grad()
 def measure_step_costs(runner, sizes: list[int], qs: range, keep: int = 1) -> dict[tuple[int, int], float]:
     """Seconds per decode step for each padded batch size in ``sizes`` and q rows per sequence in
-    ``qs``, every sequence on the pool's scratch row at COST_DEPTH: on CUDA the replay time of each
-    captured graph (greedy, keep 1); elsewhere eager steps over one sequence of q rows, and for b
-    sequences the cost of b * q rows read off a line through the last two measured (a CPU runs
-    rows close to one after another)."""
+    ``qs``, every sequence on the pool's scratch row at COST_DEPTH: with CUDA graphs the replay time
+    of each captured graph (greedy, keep 1); else the best of three eager steps over one sequence
+    of q rows (never below the cost of fewer rows), and for b sequences the cost of b * q rows read
+    off a line through the last two measured (eager rows run close to one after another)."""
     from qat4.engine.tuning import replay_us
 
     def place(b: int, q: int) -> None:
@@ -231,13 +230,21 @@ def measure_step_costs(runner, sizes: list[int], qs: range, keep: int = 1) -> di
                 place(b, q)
                 costs[(b, q)] = replay_us(runner.graphs[(b, q, keep)], 3) * 1e-6
         return costs
-    by_rows = {}
+    def timed() -> float:
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        start = time.perf_counter()
+        runner.replay(1, q, keep)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        return time.perf_counter() - start
+
+    by_rows, most = {}, 0.0
     for q in qs:
         place(1, q)
         runner.replay(1, q, keep)  # a first run warms caches
-        start = time.perf_counter()
-        runner.replay(1, q, keep)
-        by_rows[q] = time.perf_counter() - start
+        most = max(most, min(timed() for _ in range(3)))  # more rows never cost less
+        by_rows[q] = most
     top = max(qs)
     slope = by_rows[top] - by_rows[top - 1] if top - 1 in by_rows else by_rows[top]
     return {(b, q): by_rows.get(b * q, by_rows[top] + (b * q - top) * max(slope, 0.0)) for b in sizes for q in qs}
