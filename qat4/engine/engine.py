@@ -25,7 +25,7 @@ from qat4.checkpoint.packed_model import PackedModel
 from qat4.engine.config import EngineConfig
 from qat4.engine.kv_cache import KVPool, PoolExhausted
 from qat4.engine.memory import MIB, Plan, cap_text, model_nbytes, plan
-from qat4.engine.model_runner import ModelRunner, graph_sizes
+from qat4.engine.model_runner import ModelRunner
 from qat4.engine.sampler import SamplingParams
 from qat4.engine.scheduler import Scheduler
 from qat4.engine.sequence import Sequence
@@ -85,12 +85,10 @@ class Engine:
         self.generation_config = dict(generation_config or {})
         self.stop_token_ids = stop_token_ids(self.generation_config, self.config.eos_token_id)
         self.spec_tokens = spec_tokens  # drafts per step at most; 0: no speculative decoding
-        # the batch sizes a speculating step may have: padded to a captured graph's, or any without graphs
-        sizes = graph_sizes(plan.max_num_seqs) if cuda_graph and model.device.type == "cuda" else \
-            range(1, plan.max_num_seqs + 1)
-        self.spec_sizes = [b for b in sizes if b <= SPEC_MAX_BATCH] if spec_tokens else []
-        self.runner = ModelRunner(model, pool, max_num_seqs=plan.max_num_seqs, use_graph=cuda_graph,
-                                  max_rows=max([0] + [b * (1 + spec_tokens) for b in self.spec_sizes]))
+        spec_rows = min(plan.max_num_seqs, SPEC_MAX_BATCH) * (1 + spec_tokens) if spec_tokens else 0
+        self.runner = ModelRunner(model, pool, max_num_seqs=plan.max_num_seqs, use_graph=cuda_graph, max_rows=spec_rows)
+        # the batch sizes a speculating step may have
+        self.spec_sizes = [b for b in self.runner.batch_sizes if b <= SPEC_MAX_BATCH] if spec_tokens else []
         self.scheduler = Scheduler(pool, prefill_chunk=plan.prefill_chunk)
         self.speculator: Speculator | None = None  # set by enable_speculation
         self._in_flight = None
@@ -350,7 +348,7 @@ class Engine:
             started, b, k = self._verify_started
             self.speculator.observe(b, k, now - started)
         decoding = self._decoding()
-        k = self.speculator.propose(decoding, self.speculator.draft_length(decoding))
+        self.speculator.propose(decoding, self.speculator.draft_length(decoding))
         batch = self.scheduler.schedule()
         self._in_flight = self._launch(batch) if batch else None
         k = len(batch.decode[0].drafts) if batch.decode else 0  # the scheduler drops drafts it has no room for

@@ -137,6 +137,11 @@ class ModelRunner:
             self.last_token.index_copy_(0, slots, tokens)
         self._decoded[: b * q].copy_(tokens)
 
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes decode steps run at: the captured graphs', or any without graphs."""
+        return self.sizes if self.use_graph else list(range(1, self.max_num_seqs + 1))
+
     def padded(self, n: int) -> int:
         """The batch size whose graph serves n sequences (n itself without graphs)."""
         return next(b for b in self.sizes if b >= n) if self.use_graph else n

@@ -158,11 +158,11 @@ class Speculator:
         proposal, which leaves every sequence without drafts."""
         proposals = [self.drafter.propose(s, k)[:k] if k else [] for s in seqs]
         if not any(proposals):
-            for s in seqs:
-                if k:
+            if k:
+                for s in seqs:
                     _record(s, 0, 0)
-                else:
-                    s.idle_steps += 1
+            else:
+                self.idle(seqs)
             return 0
         for s, p in zip(seqs, proposals):
             s.drafts = p + [p[-1] if p else s.newest_known] * (k - len(p))

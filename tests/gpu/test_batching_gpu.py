@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from engine_runs import run
 
 from qat4.checkpoint.synth import synthetic_model
 from qat4.config import E2B
@@ -42,13 +43,6 @@ def eager(packed):
 def prompts(n, length=100, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [[2] + torch.randint(3, E2B.vocab_size, (length + 7 * i % 50,), generator=g).tolist() for i in range(n)]
-
-
-def run(engine, requests, new, **sampling):
-    seqs = [engine.add_request(p, new, stop_token_ids=[], **sampling) for p in requests]
-    while engine.has_work:
-        engine.step()
-    return [s.output for s in seqs]
 
 
 def test_graph_replay_equals_eager_at_every_captured_batch_size(engine, eager):

@@ -8,6 +8,7 @@ Run with `pytest -m gpu tests/gpu`."""
 
 import pytest
 import torch
+from engine_runs import run
 
 from qat4.checkpoint.synth import synthetic_model
 from qat4.config import E2B
@@ -54,13 +55,6 @@ def spec(packed):
 def prompts(n, seed):
     g = torch.Generator().manual_seed(seed)
     return [[2] + torch.randint(3, E2B.vocab_size, (60 + 9 * i,), generator=g).tolist() for i in range(n)]
-
-
-def run(engine, batch, new, **sampling):
-    seqs = [engine.add_request(p, new, stop_token_ids=[], **sampling) for p in batch]
-    while engine.has_work:
-        engine.step()
-    return [s.output for s in seqs]
 
 
 def same_share(a, b):
