@@ -11,6 +11,11 @@ ones were. Reported per batch size:
 - decode tok/s for each acceptance and each k (drafting k every step), and with the engine's own
   choice of k (adaptive), beside plain decoding, with the acceptance the run actually saw, its
   verification steps and the engine's estimate of what waiting for each one costs.
+
+On an engine built with the MTP drafter (``--speculative mtp:PATH``) the report also has what its
+drafts cost per batch size and k, the replay drafter runs the MTP drafter every step and pays for
+it (its drafts are replaced by the replayed ones), so the curve is what MTP decoding gives at each
+acceptance, and one more run per batch size drafts with the MTP drafter itself (adaptive).
 """
 
 from __future__ import annotations
@@ -27,15 +32,27 @@ from qat4.engine.sequence import Sequence
 
 class ReplayDrafter:
     """Drafts from known continuations (``futures[seq.id]``): each draft token is the known one
-    with probability ``a``, else a token it is not (seeded: the same runs draft the same)."""
+    with probability ``a``, else a token it is not (seeded: the same runs draft the same).
 
-    def __init__(self, futures: dict[int, list[int]], a: float, vocab_size: int, seed: int = 0):
-        self.futures, self.a, self.vocab_size = futures, a, vocab_size
+
+    With ``paid_by`` (an MTP drafter) every proposal first runs that drafter and throws its
+    drafts away, so a step costs what drafting with it costs."""
+
+    def __init__(self, futures: dict[int, list[int]], a: float, vocab_size: int, seed: int = 0, paid_by=None):
+        self.futures, self.a, self.vocab_size, self.paid_by = futures, a, vocab_size, paid_by
         self.rng = random.Random(seed)
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
         known = self.futures.get(seq.id, [])[len(seq.output) : len(seq.output) + k]
         return [t if self.rng.random() < self.a else (t + 1) % self.vocab_size for t in known]
+
+    def propose_all(self, seqs: list[Sequence], k: int) -> list[list[int]]:
+        if self.paid_by is not None:
+            self.paid_by.propose_all(seqs, k)
+        return [self.propose(s, k) for s in seqs]
+
+    def cost(self, b: int, k: int) -> float:
+        return self.paid_by.cost(b, k) if self.paid_by is not None else 0.0
 
 
 @dataclass
@@ -43,6 +60,7 @@ class CurvePoint:
     batch: int
     acceptance: float  # the replay drafter's a
     spec_tokens: int | None  # drafts per step; None: the engine's adaptive choice
+    drafter: str  # "replay", or "mtp" for the MTP drafter's own drafts
     decode_tok_s: float
     speedup: float  # over plain decoding at the same batch size
     tokens_per_step: float  # tokens a sequence gained per verification (1 + kept drafts)
@@ -58,6 +76,7 @@ class SpecReport:
     new: int
     context: int
     step_us: dict[int, list[float]] = field(default_factory=dict)  # batch -> µs per step for k = 0 ..
+    draft_us: dict[int, list[float]] = field(default_factory=dict)  # batch -> µs of the MTP drafts for k = 1 ..
     plain_tok_s: dict[int, float] = field(default_factory=dict)
     curve: list[CurvePoint] = field(default_factory=list)
 
@@ -88,12 +107,27 @@ def run(engine: Engine, model_name: str, batches: list[int], acceptances: list[f
         new: int, context: int, log=print) -> SpecReport:
     """Every measurement of the module docstring on one engine built with speculation."""
     speculator = engine.speculator
+    mtp = speculator.drafter if hasattr(speculator.drafter, "propose_all") else None
     g = torch.Generator().manual_seed(0)
     device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "CPU"
     report = SpecReport(model_name, device, new, context)
+
+    def measure(b: int, a: float, k: int | None, drafter, name: str, prompts, futures, plain: float) -> None:
+        speculator.use(drafter)
+        speculator.adaptive, speculator.max_tokens = k is None, k or engine.spec_tokens
+        kept, steps, refused = speculator.accepted, speculator.verified, speculator.refused
+        tok_s, _ = _decode(engine, prompts, new, futures)
+        kept, steps = speculator.accepted - kept, speculator.verified - steps
+        refused = speculator.refused - refused
+        report.curve.append(CurvePoint(b, a, k, name, tok_s, tok_s / plain, 1 + kept / steps if steps else 1.0,
+                                       kept / (kept + refused) if kept + refused else 0.0, steps, speculator.host_s * 1e6))
+        log(f"batch {b}, {name} drafts, acceptance {a:.1f}, k {k or 'adaptive'}: {tok_s:,.0f} tok/s ({tok_s / plain:.2f}x)")
+
     for b in batches:
         padded = engine.runner.padded(b)
         report.step_us[b] = [speculator.costs[(padded, q)] * 1e6 for q in range(1, engine.spec_tokens + 2)]
+        if mtp is not None:
+            report.draft_us[b] = [mtp.cost(padded, k) * 1e6 for k in range(1, engine.spec_tokens + 1)]
         prompts = [torch.randint(3, engine.config.vocab_size, (context,), generator=g).tolist() for _ in range(b)]
         engine.speculator = None
         log(f"batch {b}: plain greedy decoding ({new} tokens)")
@@ -104,16 +138,11 @@ def run(engine: Engine, model_name: str, batches: list[int], acceptances: list[f
         engine.speculator = speculator
         for a in acceptances:
             for k in [*ks, None]:
-                speculator.drafter = ReplayDrafter({}, a, engine.config.vocab_size)
-                speculator.adaptive, speculator.max_tokens = k is None, k or engine.spec_tokens
-                kept, steps, refused = speculator.accepted, speculator.verified, speculator.refused
-                tok_s, _ = _decode(engine, prompts, new, futures)
-                kept, steps = speculator.accepted - kept, speculator.verified - steps
-                refused = speculator.refused - refused
-                point = CurvePoint(b, a, k, tok_s, tok_s / plain, 1 + kept / steps if steps else 1.0,
-                                   kept / (kept + refused) if kept + refused else 0.0, steps, speculator.host_s * 1e6)
-                report.curve.append(point)
-                log(f"batch {b}, acceptance {a:.1f}, k {k or 'adaptive'}: {tok_s:,.0f} tok/s ({tok_s / plain:.2f}x)")
+                measure(b, a, k, ReplayDrafter({}, a, engine.config.vocab_size, paid_by=mtp), "replay", prompts, futures, plain)
+        if mtp is not None:
+            measure(b, 0.0, None, mtp, "mtp", prompts, None, plain)
+    if mtp is not None:
+        speculator.use(mtp)
     speculator.adaptive, speculator.max_tokens = True, engine.spec_tokens
     return report
 
@@ -123,12 +152,16 @@ def format_table(report: SpecReport) -> str:
              "prompts; drafts replayed from the plain run's continuation"]
     for b, costs in report.step_us.items():
         lines += ["", f"batch {b}: a step verifying k drafts per sequence, µs (x plain step)",
-                  "  " + "  ".join(f"k={k}: {us:,.0f} ({us / costs[0]:.2f}x)" for k, us in enumerate(costs)),
-                  f"  plain decoding {report.plain_tok_s[b]:,.0f} tok/s",
-                  f"  {'acceptance':>10} {'k':>8} {'tok/s':>9} {'speed-up':>9} {'tokens/step':>12} {'seen a':>7} "
-                  f"{'verifications':>14} {'wait µs':>8}"]
+                  "  " + "  ".join(f"k={k}: {us:,.0f} ({us / costs[0]:.2f}x)" for k, us in enumerate(costs))]
+        if b in report.draft_us:
+            lines += ["  the MTP drafter's k drafts, µs (per draft token)",
+                      "  " + "  ".join(f"k={k}: {us:,.0f} ({us / k:,.0f})" for k, us in enumerate(report.draft_us[b], 1))]
+        lines += [f"  plain decoding {report.plain_tok_s[b]:,.0f} tok/s",
+                  f"  {'drafts':>7} {'acceptance':>10} {'k':>8} {'tok/s':>9} {'speed-up':>9} {'tokens/step':>12} "
+                  f"{'seen a':>7} {'verifications':>14} {'wait µs':>8}"]
         for p in (p for p in report.curve if p.batch == b):
-            lines.append(f"  {p.acceptance:>10.1f} {p.spec_tokens or 'adaptive':>8} {p.decode_tok_s:>9,.0f} "
+            a = "—" if p.drafter == "mtp" else f"{p.acceptance:.1f}"
+            lines.append(f"  {p.drafter:>7} {a:>10} {p.spec_tokens or 'adaptive':>8} {p.decode_tok_s:>9,.0f} "
                          f"{p.speedup:>8.2f}x {p.tokens_per_step:>12.2f} {p.seen_acceptance:>7.2f} "
                          f"{p.verifications:>14} {p.wait_us:>8,.0f}")
     return "\n".join(lines)

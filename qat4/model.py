@@ -20,6 +20,7 @@ import torch
 
 from qat4.checkpoint.packed_model import PackedModel
 from qat4.checkpoint.packing import PackedTensor
+from qat4.config import Gemma4Config
 from qat4.errors import Qat4Error
 from qat4.ops.attention import PagedSeqs, paged_attention
 from qat4.ops.norms import qk_norm_rope, qk_norm_rope_store, rms_norm, rope_cos_sin_cache, rope_inv_freq
@@ -93,6 +94,23 @@ class Layer:
     scalar: torch.Tensor  # layer_scalar [1]
 
 
+def rope_table(config: Gemma4Config, kind: str, max_positions: int, device: torch.device,
+               dtype: torch.dtype) -> torch.Tensor:
+    """cos/sin table [max_positions, 2 n_rot] of the layers of type ``kind`` of ``config``."""
+    params = config.rope_parameters[kind]
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in ("default", "proportional") or params.get("factor", 1.0) != 1.0:
+        raise Qat4Error(
+            f"config field rope_parameters.{kind} asks for RoPE scaling {rope_type!r}, which qat4 does not run"
+        )
+    head_dim = config.layer_head_dim(config.layer_types.index(kind))
+    inv_freq = rope_inv_freq(
+        head_dim, float(params["rope_theta"]), float(params.get("partial_rotary_factor", 1.0)),
+        proportional=rope_type == "proportional",
+    )
+    return rope_cos_sin_cache(inv_freq.to(device), max_positions, dtype)
+
+
 class Gemma4:
     """The text decoder on one device in one compute dtype.
 
@@ -116,7 +134,7 @@ class Gemma4:
         self.embed_scale = dtype_round(cfg.hidden_size**0.5, dtype)
         self.ple_scale = dtype_round(cfg.hidden_size_per_layer_input**0.5, dtype)
         self.layers = [self._layer(model, i) for i in range(cfg.num_hidden_layers)]
-        self.rope = {kind: self._rope_table(kind, max_positions) for kind in set(cfg.layer_types)}
+        self.rope = {kind: rope_table(cfg, kind, max_positions, self.device, dtype) for kind in set(cfg.layer_types)}
 
     def _matrix(self, t: PackedTensor) -> PackedTensor:
         """A packed matrix on the device. Its group steps keep their stored dtype (the kernels read
@@ -161,21 +179,6 @@ class Gemma4:
             scalar=vec(p + "layer_scalar"),
         )
 
-    def _rope_table(self, kind: str, max_positions: int) -> torch.Tensor:
-        """cos/sin table [max_positions, 2 n_rot] of one layer type."""
-        params = self.config.rope_parameters[kind]
-        rope_type = params.get("rope_type", "default")
-        if rope_type not in ("default", "proportional") or params.get("factor", 1.0) != 1.0:
-            raise Qat4Error(
-                f"config field rope_parameters.{kind} asks for RoPE scaling {rope_type!r}, which qat4 does not run"
-            )
-        head_dim = self.config.layer_head_dim(self.config.layer_types.index(kind))
-        inv_freq = rope_inv_freq(
-            head_dim, float(params["rope_theta"]), float(params.get("partial_rotary_factor", 1.0)),
-            proportional=rope_type == "proportional",
-        )
-        return rope_cos_sin_cache(inv_freq.to(self.device), max_positions, self.dtype)
-
     @property
     def nbytes(self) -> int:
         """Bytes of every weight and table this model holds on its device (shared tensors once)."""
@@ -198,11 +201,15 @@ class Gemma4:
 
     # ---- forward -----------------------------------------------------------------------------
 
+    def embed_input(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] int64 -> the scaled input embedding h0 [T, D]."""
+        return w4_embedding(ids, self.embed_tokens.packed, self.embed_tokens.scales, self.embed_scale, self.dtype)
+
     def embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [T] int64 -> (h0 [T, D], per-layer inputs [T, L, P])."""
         cfg = self.config
         T, L, P = ids.shape[0], cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
-        h = w4_embedding(ids, self.embed_tokens.packed, self.embed_tokens.scales, self.embed_scale, self.dtype)
+        h = self.embed_input(ids)
         token_part = w4_embedding(ids, self.ple_table.packed, self.ple_table.scales, self.ple_scale, self.dtype)
         context = linear(h, self.ple_projection) * cfg.hidden_size**-0.5
         context = rms_norm(context.view(T, L, P), self.ple_norm, self.eps)

@@ -34,7 +34,7 @@ def test_generate_refuses_max_new_below_one_before_loading(max_new, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--speculative", "eagle"], "--speculative eagle is not a drafter qat4 has; the choices are: ngram"),
+    (["--speculative", "eagle"], "--speculative 'eagle' is not known; the choices are: ngram, mtp:PATH|ID"),
     (["--spec-tokens", "3"], "--spec-tokens sets how many drafts speculative decoding verifies; it needs --speculative"),
     (["--speculative", "ngram", "--spec-tokens", "9"], "--spec-tokens is 9; it must be 1 to 8"),
 ])

@@ -75,6 +75,9 @@ def _add_speculative_parser(modes) -> None:
                    help="most drafts per step the engine is built for (default: the largest of --k)")
     p.add_argument("--new", type=int, default=128, help="tokens decoded per sequence (default: %(default)s)")
     p.add_argument("--context", type=int, default=512, help="prompt tokens per sequence (default: %(default)s)")
+    p.add_argument("--mtp", metavar="PATH|ID", default=None,
+                   help="an MTP drafter (folder or model id): also measure its drafts' cost, pay it in every replayed "
+                        "step, and decode with its own drafts")
     p.add_argument("--device", choices=DEVICES, default="cuda", help="cuda (default) or cpu")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default: %(default)s)")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
@@ -108,7 +111,8 @@ def run_speculative(args: argparse.Namespace) -> int:
     bench.progress(f"loading {args.model}")
     packed = load_packed_for_bench(args.model, device, args.seed)
     engine = Engine.from_packed(packed, device, max_ctx=args.context + args.new + 16, max_num_seqs=max(batches),
-                                kv_tokens=max(batches) * (args.context + args.new + 16), speculative="ngram",
+                                kv_tokens=max(batches) * (args.context + args.new + 16),
+                                speculative="ngram" if args.mtp is None else "mtp:" + args.mtp,
                                 spec_tokens=spec_tokens)
     report = bench_speculative.run(engine, args.model, batches, acceptances, ks, args.new, args.context,
                                    log=bench.progress)

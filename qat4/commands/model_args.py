@@ -30,17 +30,19 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     """--speculative and --spec-tokens (speculative decoding; see speculative_options)."""
     p.add_argument("--speculative", default=None, metavar="DRAFTER",
                    help="speculative decoding: ngram drafts the tokens that followed an earlier occurrence of the "
-                        "last few tokens (prompt lookup); the output is the same, token for token (default: off)")
+                        "last few tokens (prompt lookup); mtp:PATH|ID runs Gemma 4's MTP drafter from a folder or "
+                        "model id (google/gemma-4-E2B-it-qat-q4_0-unquantized-assistant); the output is the same, "
+                        "token for token (default: off)")
     p.add_argument("--spec-tokens", type=int, default=None, metavar="K",
                    help="most draft tokens verified per step, 1 to 8; each step drafts as many as pay (default: 4)")
 
 
 def speculative_options(args: argparse.Namespace) -> dict:
     """The EngineConfig options of --speculative and --spec-tokens, checked before anything loads."""
-    from qat4.engine.config import DRAFTERS, MAX_SPEC_TOKENS
+    from qat4.engine.config import MAX_SPEC_TOKENS, check_drafter
 
-    if args.speculative is not None and args.speculative not in DRAFTERS:
-        raise Qat4Error(f"--speculative {args.speculative} is not a drafter qat4 has; the choices are: {', '.join(DRAFTERS)}")
+    if args.speculative is not None:
+        check_drafter(args.speculative, "--speculative")
     if args.spec_tokens is None:
         return {"speculative": args.speculative}
     if not args.speculative:

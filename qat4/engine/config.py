@@ -11,7 +11,16 @@ from qat4.errors import Qat4Error
 MAX_CTX_DEFAULT = 131_072
 BLOCK_SIZE_DEFAULT = 16
 MAX_SPEC_TOKENS = 8
-DRAFTERS = ("ngram",)  # the speculative drafters qat4.engine.speculation.make_drafter builds
+DRAFTERS = ("ngram", "mtp:PATH|ID")  # the speculative drafters: prompt lookup, Gemma 4's MTP assistant
+
+
+MTP_PREFIX = "mtp:"
+
+
+def check_drafter(spec: str, what: str) -> None:
+    """Raise Qat4Error unless ``spec`` names a drafter: ``ngram``, or ``mtp:`` and a path or model id."""
+    if spec != "ngram" and not (spec.startswith(MTP_PREFIX) and spec[len(MTP_PREFIX):].strip()):
+        raise Qat4Error(f"{what} {spec!r} is not known; the choices are: {', '.join(DRAFTERS)}")
 
 
 @dataclass(frozen=True)
@@ -33,7 +42,8 @@ class EngineConfig:
     GPU memory before anything is allocated; the load fails with a clear message when the model
     and one sequence's KV do not fit. cuda_graph: replay decode steps as CUDA graphs (CUDA only).
     speculative: the drafter of speculative decoding (:mod:`qat4.engine.speculation`): "ngram"
-    (prompt lookup); None: off. spec_tokens: the most draft tokens a sequence feeds per step (1 to
+    (prompt lookup) or "mtp:PATH" (Gemma 4's MTP drafter from a folder or Hub model id,
+    :mod:`qat4.engine.mtp`); None: off. spec_tokens: the most draft tokens a sequence feeds per step (1 to
     8, default 4). spec_adaptive: pick each step's draft count from the measured step costs and
     acceptance (default); False drafts spec_tokens every step, for measurements.
     """
@@ -60,12 +70,17 @@ class EngineConfig:
             raise Qat4Error(f"block_size is {self.block_size}; it must be a power of two")
         if self.prompt_cache_mib is not None and not self.prompt_cache_mib >= 0:
             raise Qat4Error(f"prompt_cache_mib is {self.prompt_cache_mib}; it must be 0 (off) or more")
-        if self.speculative is not None and self.speculative not in DRAFTERS:
-            raise Qat4Error(f"speculative drafter {self.speculative!r} is not known; the choices are: {', '.join(DRAFTERS)}")
+        if self.speculative is not None:
+            check_drafter(self.speculative, "speculative drafter")
         if not 1 <= self.spec_tokens <= MAX_SPEC_TOKENS:
             raise Qat4Error(f"spec_tokens is {self.spec_tokens}; it must be 1 to {MAX_SPEC_TOKENS}")
         if self.memory_cap_mib is not None and not self.memory_cap_mib > 0:
             raise Qat4Error(f"memory_cap_mib is {self.memory_cap_mib}; it must be positive")
+
+    @property
+    def mtp_source(self) -> str | None:
+        """The MTP drafter's folder or model id, when ``speculative`` names one."""
+        return self.speculative[len(MTP_PREFIX):] if self.speculative and self.speculative.startswith(MTP_PREFIX) else None
 
     @classmethod
     def of(cls, config: "EngineConfig | None" = None, **options) -> "EngineConfig":

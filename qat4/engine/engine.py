@@ -24,12 +24,12 @@ import torch
 from qat4.checkpoint.packed_model import PackedModel
 from qat4.engine.config import EngineConfig
 from qat4.engine.kv_cache import KVPool, PoolExhausted
-from qat4.engine.memory import MIB, Plan, cap_text, model_nbytes, plan
+from qat4.engine.memory import MIB, Plan, cap_text, default_dtype, model_nbytes, plan
 from qat4.engine.model_runner import ModelRunner
 from qat4.engine.sampler import SamplingParams
 from qat4.engine.scheduler import Scheduler
 from qat4.engine.sequence import Sequence
-from qat4.engine.speculation import SPEC_MAX_BATCH, Speculator, accepted_count, make_drafter, measure_step_costs
+from qat4.engine.speculation import SPEC_MAX_BATCH, PromptLookup, Speculator, accepted_count, measure_step_costs
 from qat4.engine.tuning import load_tilings, save_tilings, tune_decode_tilings
 from qat4.errors import Qat4Error
 from qat4.model import Gemma4
@@ -77,7 +77,7 @@ class Engine:
     """Gemma 4 text generation from packed 4-bit weights on one device, many sequences at once."""
 
     def __init__(self, model: Gemma4, pool: KVPool, plan: Plan, *, cuda_graph: bool, tokenizer=None,
-                 generation_config: dict | None = None, spec_tokens: int = 0):
+                 generation_config: dict | None = None, spec_tokens: int = 0, keep_hidden: bool = False):
         self.model, self.pool, self.plan, self.config = model, pool, plan, model.config
         self.device, self.dtype = model.device, model.dtype
         self.max_ctx, self.prefill_chunk, self.max_num_seqs = plan.max_ctx, plan.prefill_chunk, plan.max_num_seqs
@@ -86,7 +86,8 @@ class Engine:
         self.stop_token_ids = stop_token_ids(self.generation_config, self.config.eos_token_id)
         self.spec_tokens = spec_tokens  # drafts per step at most; 0: no speculative decoding
         spec_rows = min(plan.max_num_seqs, SPEC_MAX_BATCH) * (1 + spec_tokens) if spec_tokens else 0
-        self.runner = ModelRunner(model, pool, max_num_seqs=plan.max_num_seqs, use_graph=cuda_graph, max_rows=spec_rows)
+        self.runner = ModelRunner(model, pool, max_num_seqs=plan.max_num_seqs, use_graph=cuda_graph, max_rows=spec_rows,
+                                  keep_hidden=keep_hidden)
         # the batch sizes a speculating step may have
         self.spec_sizes = [b for b in self.runner.batch_sizes if b <= SPEC_MAX_BATCH] if spec_tokens else []
         self.scheduler = Scheduler(pool, prefill_chunk=plan.prefill_chunk)
@@ -125,11 +126,20 @@ class Engine:
             device = torch.device("cuda", torch.cuda.current_device())
         if tokenizer is None and packed.source is not None:
             tokenizer = _find_tokenizer(packed.source)
+        assistant, drafter_bytes, window = None, 0, None
+        if config.mtp_source is not None:  # read and checked before anything goes to the device
+            from qat4.checkpoint.assistant import load_assistant
+            from qat4.engine.mtp import drafter_nbytes
+
+            assistant = load_assistant(config.mtp_source)
+            assistant.config.check_target(packed.config, config.mtp_source)
+            drafter_bytes = drafter_nbytes(assistant, config.dtype or default_dtype(device), packed.config.max_position_embeddings)
+            window = max(packed.config.sliding_window, assistant.config.keys_behind + 1)  # its reach and the query
         attempt = config
         while True:
-            resolved = plan(packed, device, attempt)
+            resolved = plan(packed, device, attempt, drafter_bytes, window)
             try:
-                return cls._build(packed, device, resolved, config, tokenizer)
+                return cls._build(packed, device, resolved, config, tokenizer, assistant)
             except torch.cuda.OutOfMemoryError:
                 if config.max_num_seqs is not None or resolved.max_num_seqs == 1:
                     raise Qat4Error(
@@ -146,22 +156,30 @@ class Engine:
 
     @classmethod
     def _build(cls, packed: PackedModel, device: torch.device, resolved: Plan, config: EngineConfig,
-               tokenizer) -> "Engine":
+               tokenizer, assistant=None) -> "Engine":
         model = Gemma4(packed, device, resolved.dtype, resolved.max_ctx)
         pool = KVPool(packed.config, resolved.blocks, block_size=config.block_size,
                       max_seqs=resolved.max_num_seqs, max_ctx=resolved.max_ctx, device=device, dtype=resolved.dtype,
-                      prompt_cache=resolved.prompt_cache)
+                      prompt_cache=resolved.prompt_cache, window=resolved.window)
         engine = cls(model, pool, resolved, cuda_graph=config.cuda_graph, tokenizer=tokenizer,
                      generation_config=packed.generation_config,
-                     spec_tokens=config.spec_tokens if config.speculative else 0)
+                     spec_tokens=config.spec_tokens if config.speculative else 0, keep_hidden=assistant is not None)
         if device.type == "cuda":
             saved = load_tilings(device, resolved.dtype)
             pin_matvec_tilings(saved)
             engine._reserve_workspace()
             launched = matvec_tilings()  # the decode steps' GEMV shapes, captured just now
             engine.pinned_tilings = (sum(key in saved for key in launched), len(launched))
-        if config.speculative:
-            engine.enable_speculation(make_drafter(config.speculative), config.spec_adaptive)
+        if assistant is not None:
+            from qat4.assistant import Gemma4Assistant
+            from qat4.engine.mtp import MTPDrafter
+
+            drafter = MTPDrafter(Gemma4Assistant(assistant, model, resolved.max_ctx), engine.runner, engine.spec_sizes,
+                                 engine.spec_tokens)
+            drafter.prepare()
+            engine.enable_speculation(drafter, config.spec_adaptive)
+        elif config.speculative:
+            engine.enable_speculation(PromptLookup(), config.spec_adaptive)
         return engine
 
     def enable_speculation(self, drafter, adaptive: bool = True) -> None:

@@ -172,10 +172,12 @@ class KVPool:
     """K/V pages of every KV-owning layer, the block allocators, and the block tables."""
 
     def __init__(self, config: Gemma4Config, blocks: dict[str, int], *, block_size: int, max_seqs: int, max_ctx: int,
-                 device: torch.device, dtype: torch.dtype, prompt_cache: bool = True):
+                 device: torch.device, dtype: torch.dtype, prompt_cache: bool = True, window: int | None = None):
         self.config, self.block_size, self.max_seqs, self.max_ctx = config, block_size, max_seqs, max_ctx
         self.prompt_cache = prompt_cache
-        self.window = config.sliding_window
+        # sliding positions kept for a query, itself included: the model's window, or more for a
+        # drafter that reads further back (qat4.assistant)
+        self.window = window or config.sliding_window
         self.device = device
         self.scratch_row = max_seqs
         self.allocators = {kind: BlockAllocator(n) for kind, n in blocks.items()}

@@ -42,6 +42,7 @@ class Plan:
     blocks: dict[str, int]
     cap: int | None  # bytes, when memory_cap_mib was given
     prompt_cache: bool = True
+    window: int | None = None  # sliding positions the KV pool keeps per query (None: the model's window)
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -114,10 +115,13 @@ def _free_nbytes(device: torch.device, cap: int | None) -> int:
     return cap - torch.cuda.memory_allocated(device) if cap is not None else torch.cuda.mem_get_info(device)[0]
 
 
-def plan(packed: PackedModel, device: torch.device, config: EngineConfig) -> Plan:
-    """Resolve ``config`` for ``packed`` on ``device`` (module docstring); raises Qat4Error when it
-    cannot fit."""
+def plan(packed: PackedModel, device: torch.device, config: EngineConfig, drafter_nbytes: int = 0,
+         window: int | None = None) -> Plan:
+    """Resolve ``config`` for ``packed`` on ``device`` (module docstring), beside a drafter of
+    ``drafter_nbytes`` whose sliding layers need ``window`` positions kept per query (more than
+    the model's own); raises Qat4Error when it cannot fit."""
     cfg = packed.config
+    reach = max(0, (window or cfg.sliding_window) - cfg.sliding_window)
     dtype = config.dtype or default_dtype(device)
     max_ctx = min(cfg.max_position_embeddings, MAX_CTX_DEFAULT if config.max_ctx is None else int(config.max_ctx))
     kv_tokens = int(config.kv_tokens or max_ctx)
@@ -132,15 +136,15 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig) -> Pla
 
     def kv(seqs: int, chunk: int, cache: int = 0) -> tuple[dict[str, int], int]:
         blocks = pool_blocks(cfg, kv_tokens=kv_tokens, max_seqs=seqs, prefill_chunk=chunk, max_ctx=max_ctx,
-                             block_size=bs, cache_blocks=cache, lookahead=spec_tokens)
+                             block_size=bs, cache_blocks=cache, lookahead=spec_tokens + reach)
         return blocks, pool_nbytes(cfg, blocks, bs, seqs, max_ctx, dtype)
 
     if device.type != "cuda":
         seqs = int(config.max_num_seqs or DEFAULT_MAX_NUM_SEQS["cpu"])
         chunk = int(config.prefill_chunk or min(AUTO_PREFILL_CHUNKS[-1], max_ctx))
-        return Plan(dtype, max_ctx, seqs, chunk, kv_tokens, kv(seqs, chunk, cache_blocks)[0], None, on)
+        return Plan(dtype, max_ctx, seqs, chunk, kv_tokens, kv(seqs, chunk, cache_blocks)[0], None, on, window)
 
-    free = _free_nbytes(device, cap) - model_nbytes(packed, max_ctx, dtype)
+    free = _free_nbytes(device, cap) - model_nbytes(packed, max_ctx, dtype) - drafter_nbytes
     chunks = [config.prefill_chunk] if config.prefill_chunk else [c for c in AUTO_PREFILL_CHUNKS if c <= max_ctx]
     chunks = chunks or [max_ctx]
     smallest = min(chunks)
@@ -173,4 +177,4 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig) -> Pla
             f"a prompt cache of {cache_mib:g} MiB (prompt_cache_mib) does not fit beside the model, the KV pool and "
             f"their working memory{cap_text(config.memory_cap_mib)}; {max(0, room) / MIB:,.0f} MiB are left"
         )
-    return Plan(dtype, max_ctx, seqs, chunk, kv_tokens, kv(seqs, chunk, cache_blocks)[0], cap, on)
+    return Plan(dtype, max_ctx, seqs, chunk, kv_tokens, kv(seqs, chunk, cache_blocks)[0], cap, on, window)

@@ -19,7 +19,10 @@ schedules. Graphs are captured at load writing only to the scratch row, never in
 sequence's KV.
 
 Per-slot sampling parameters (temperature, top_k, top_p, seed) live on the device, set when a
-sequence is admitted (:meth:`ModelRunner.set_sampling`).
+sequence is admitted (:meth:`ModelRunner.set_sampling`). With ``keep_hidden`` (the MTP drafter,
+:mod:`qat4.engine.mtp`) each step also keeps, per slot, the final-normed hidden state that picked
+the sequence's newest token (``last_hidden``): a decode row's, a prompt's last row's, or in a
+verifying step the row of the last draft the target agreed with.
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ class StepTokens:
 class ModelRunner:
     """The model, the KV pool and the per-slot device state of one engine."""
 
-    def __init__(self, model: Gemma4, pool: KVPool, *, max_num_seqs: int, use_graph: bool, max_rows: int = 0):
+    def __init__(self, model: Gemma4, pool: KVPool, *, max_num_seqs: int, use_graph: bool, max_rows: int = 0,
+                 keep_hidden: bool = False):
         dev = model.device
         self.model, self.pool, self.device = model, pool, dev
         self.max_num_seqs, self.max_ctx = max_num_seqs, pool.max_ctx
@@ -80,6 +84,8 @@ class ModelRunner:
         self.top_k = torch.ones(slots, dtype=torch.int64, device=dev)
         self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)
         self.seed = torch.zeros(slots, dtype=torch.int64, device=dev)
+        hidden = model.config.hidden_size
+        self.last_hidden = torch.zeros(slots, hidden, dtype=model.dtype, device=dev) if keep_hidden else None
         self.sizes = graph_sizes(max_num_seqs)
         self._meta = torch.zeros(3, rows, dtype=torch.int64, device=dev)  # ids (-1: on device), positions, slots
         self._cu_q = torch.arange(max_num_seqs + 1, dtype=torch.int64, device=dev)
@@ -132,10 +138,25 @@ class ModelRunner:
         ids = torch.where(ids >= 0, ids, self.last_token[slots])
         rows = slots if q == 1 else slots[::q].contiguous()
         batch = self._batch(slots, positions, self._cu_q[: b + 1] * q, rows, q, self.max_ctx)
-        tokens = self.pick(self.model.forward(ids, positions, self.pool, batch), slots, positions, keep)
+        h = self.model.forward(ids, positions, self.pool, batch)
+        tokens = self.pick(h, slots, positions, keep)
         if q == 1:
             self.last_token.index_copy_(0, slots, tokens)
+        if self.last_hidden is not None:
+            self._keep_hidden(h, ids, tokens, slots, b, q)
         self._decoded[: b * q].copy_(tokens)
+
+    def _keep_hidden(self, h: torch.Tensor, ids: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, b: int,
+                     q: int) -> None:
+        """Into ``last_hidden[slot]``, of the b sequences of q rows each (h [b*q, D], their ids and
+        picked tokens [b*q]): the row behind the newest token, the one after the drafts kept
+        (:func:`qat4.engine.speculation.accepted_count`, here on the device)."""
+        if q == 1:
+            self.last_hidden.index_copy_(0, slots, h)
+            return
+        kept = (ids.view(b, q)[:, 1:] == tokens.view(b, q)[:, :-1]).cumprod(dim=1).sum(dim=1)
+        rows = torch.arange(b, device=h.device) * q + kept
+        self.last_hidden.index_copy_(0, slots[::q].contiguous(), h[rows])
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -222,6 +243,8 @@ class ModelRunner:
         keep = self.keep_for([chunks[i][0] for i in sampled])
         tokens = self.pick(h[ends], slots[ends], positions[ends], keep)
         self.last_token.index_copy_(0, slots[ends], tokens)
+        if self.last_hidden is not None:
+            self.last_hidden.index_copy_(0, slots[ends], h[ends])
         return tokens
 
     def launch(self, decode: list[Sequence], decode_keep: int, chunks: list[tuple[Sequence, int]],

@@ -27,7 +27,9 @@ PROBE_EVERY steps drafts PROBE_TOKENS once, so its counts follow what it does no
 document may start being quoted) at a cost of one short verification in PROBE_EVERY steps.
 
 **Drafters.** :class:`PromptLookup` copies what followed an earlier occurrence of the sequence's
-last few tokens, in the prompt or in its own output.
+last few tokens, in the prompt or in its own output. :class:`qat4.engine.mtp.MTPDrafter` runs
+Gemma 4's MTP drafter for all decoding sequences at once and says what its drafts cost, which
+the choice of k adds to the step's.
 """
 
 from __future__ import annotations
@@ -48,9 +50,18 @@ PROBE_TOKENS = 2
 
 
 class Drafter(Protocol):
-    """Proposes up to k tokens to follow a sequence's known tokens (``seq.tokens``)."""
+    """Proposes up to k tokens to follow a sequence's known tokens (``seq.tokens``), at no device cost."""
 
     def propose(self, seq: Sequence, k: int) -> list[int]: ...
+
+
+class BatchDrafter(Protocol):
+    """Proposes k tokens for each of a step's decoding sequences at once, and says what that costs:
+    seconds for a padded batch of b sequences and k drafts each (:class:`qat4.engine.mtp.MTPDrafter`)."""
+
+    def propose_all(self, seqs: list[Sequence], k: int) -> list[list[int]]: ...
+
+    def cost(self, b: int, k: int) -> float: ...
 
 
 class PromptLookup:
@@ -95,12 +106,6 @@ class _NgramIndex:
         self.upto = 0  # n-grams ending before this position are indexed
 
 
-def make_drafter(spec: str) -> Drafter:
-    """The drafter that ``--speculative`` names (:data:`qat4.engine.config.DRAFTERS`, checked by
-    EngineConfig): ``ngram``, prompt lookup."""
-    return {"ngram": PromptLookup}[spec]()
-
-
 def accepted_count(drafts: list[int], tokens: list[int]) -> int:
     """How many leading drafts the target agreed with: drafts[i] is kept while it equals the token
     tokens[i] the target picked at the position before it."""
@@ -118,16 +123,24 @@ def expected_tokens(a: float, k: int) -> float:
 class Speculator:
     """Drafts for each step's decoding sequences, as many as pay (module docstring).
 
-    ``costs[(b, q)]``: seconds of a step over a padded batch of b sequences with q rows each.
-    ``adaptive`` False drafts ``max_tokens`` every step (for measurements).
+    ``drafter``: a :class:`Drafter` or a :class:`BatchDrafter`. ``costs[(b, q)]``: seconds of a
+    step over a padded batch of b sequences with q rows each. ``adaptive`` False drafts
+    ``max_tokens`` every step (for measurements).
     """
 
-    def __init__(self, drafter: Drafter, max_tokens: int, costs: dict[tuple[int, int], float],
+    def __init__(self, drafter: Drafter | BatchDrafter, max_tokens: int, costs: dict[tuple[int, int], float],
                  padded: Callable[[int], int], adaptive: bool = True):
-        self.drafter, self.max_tokens, self.costs, self.padded, self.adaptive = drafter, max_tokens, costs, padded, adaptive
+        self.max_tokens, self.costs, self.padded, self.adaptive = max_tokens, costs, padded, adaptive
+        self.use(drafter)
         self.host_s = 0.0  # what a speculating step takes beyond its graph's replay (running mean)
         self.drafted = self.accepted = 0  # draft tokens verified and kept over the engine's life
         self.verified = self.refused = 0  # verifications, and those that refused a draft
+
+    def use(self, drafter: Drafter | BatchDrafter) -> None:
+        """Draft with ``drafter`` from now on."""
+        self.drafter = drafter
+        self.propose_all = getattr(drafter, "propose_all", None) or (lambda seqs, k: [drafter.propose(s, k) for s in seqs])
+        self.draft_cost = getattr(drafter, "cost", None) or (lambda b, k: 0.0)
 
     def draft_length(self, seqs: list[Sequence]) -> int:
         """The k for a step over these decoding sequences: the most tokens per second of step."""
@@ -148,7 +161,7 @@ class Speculator:
             cost = self.costs.get((b, k + 1))
             if cost is None:
                 return 0.0
-            return sum(expected_tokens(a, k) for a in rates) / (cost + (self.host_s if k else 0.0))
+            return sum(expected_tokens(a, k) for a in rates) / (cost + self.draft_cost(b, k) + (self.host_s if k else 0.0))
 
         return max(range(top + 1), key=tokens_per_s)
 
@@ -156,7 +169,7 @@ class Speculator:
         """Set every sequence's ``drafts`` to k tokens (a drafter's short proposal is padded with
         its last token: any token verifies exactly). Returns k, or 0 when no sequence has a
         proposal, which leaves every sequence without drafts."""
-        proposals = [self.drafter.propose(s, k)[:k] if k else [] for s in seqs]
+        proposals = [p[:k] for p in self.propose_all(seqs, k)] if k else [[] for _ in seqs]
         if not any(proposals):
             if k:
                 for s in seqs:
@@ -185,8 +198,9 @@ class Speculator:
 
     def observe(self, b: int, k: int, seconds: float) -> None:
         """A speculating step of k drafts over b sequences took ``seconds`` from the read of the
-        step before to its own read: all but its graph's replay is the price of waiting."""
-        cost = self.costs.get((self.padded(b), k + 1), seconds)
+        step before to its own read: all but its graph's replay and the drafts' own cost is the
+        price of waiting."""
+        cost = self.costs.get((self.padded(b), k + 1), seconds) + self.draft_cost(self.padded(b), k)
         extra = min(max(0.0, seconds - cost), cost)  # a stall (a request arriving, a capture) counts as one step
         self.host_s = extra if not self.host_s else 0.9 * self.host_s + 0.1 * extra
 

@@ -433,6 +433,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     return (rms_norm_triton if use_triton(x) else rms_norm_reference)(x, weight, eps)
 
 
+def residual_rms_norm(
+    h: torch.Tensor,
+    y: torch.Tensor,
+    weight: torch.Tensor,
+    scalar: torch.Tensor | None = None,
+    next_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A residual step and the next input norm. See :func:`residual_rms_norm_reference`."""
+    fn = residual_rms_norm_triton if use_triton(h) else residual_rms_norm_reference
+    return fn(h, y, weight, scalar, next_weight, eps)
+
+
 def qk_norm_rope_store(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -1,0 +1,327 @@
+"""Gemma 4's MTP drafter on the CPU (fp32 reference ops) against transformers 5.17's own
+``Gemma4AssistantForCausalLM``, and in the engine.
+
+One tiny synthetic target (sliding window 8) and a synthetic drafter written in the published
+layout (``qat4 synth --assistant``): transformers loads the same folder, and is given the K/V and
+hidden state qat4's target computed (the drafter's parity is then its own, not the target's). The
+drafter reads every key before its position on its full layer and the window + 1 before it on its
+sliding ones, so prompts below, at and past the window are checked. In the engine the drafter
+changes how fast tokens come, never which; the hidden state it starts from is the row of the last
+kept draft, which an oracle drafter whose drafts are kept and refused at known places checks.
+"""
+
+import json
+
+import pytest
+import torch
+from transformers.models.gemma4_assistant import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+from qat4.assistant import Gemma4Assistant
+from qat4.checkpoint.assistant import (ORDERING, AssistantCheckpoint, load_assistant, synthetic_assistant_config,
+                                       synthetic_assistant_tensors, write_synthetic_assistant)
+from qat4.checkpoint.safetensors_io import Entry, SafetensorsWriter
+from qat4.checkpoint.synth import synthetic_model
+from qat4.config import E2B, TINY
+from qat4.engine import Engine
+from qat4.engine.mtp import MTPDrafter
+from qat4.engine.sampler import SamplingParams
+from qat4.engine.sequence import Sequence
+from qat4.errors import Qat4Error
+from qat4.ops.attention import PagedSeqs
+
+OPTIONS = {"max_ctx": 128, "prefill_chunk": 8, "block_size": 4}
+DRAFTS = 4
+
+
+@pytest.fixture(scope="module")
+def packed():
+    return synthetic_model(TINY, seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory):
+    return write_synthetic_assistant(tmp_path_factory.mktemp("mtp") / "drafter", TINY, seed=3)
+
+
+@pytest.fixture(scope="module")
+def hf_drafter(drafter_dir):
+    model = Gemma4AssistantForCausalLM.from_pretrained(drafter_dir, dtype=torch.float32).eval()
+    model.config.get_text_config()._attn_implementation = "eager"
+    return model
+
+
+@pytest.fixture(scope="module")
+def target(packed):
+    return Engine.from_packed(packed, "cpu", max_ctx=128)
+
+
+@pytest.fixture(scope="module")
+def spec(packed, drafter_dir):
+    return Engine.from_packed(packed, "cpu", speculative=f"mtp:{drafter_dir}", spec_tokens=3, spec_adaptive=False,
+                              **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def plain(packed):
+    return Engine.from_packed(packed, "cpu", **OPTIONS)
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [TINY.bos_token_id] + torch.randint(3, TINY.vocab_size, (n - 1,), generator=g).tolist()
+
+
+def prefill(engine: Engine, ids: list[int]) -> tuple[Sequence, torch.Tensor]:
+    """ids read into a fresh slot of ``engine``'s pool (kept open) -> (the sequence, final-normed hidden [T, D])."""
+    seq = Sequence(ids, SamplingParams(temperature=0), 0, 1, frozenset())
+    seq.slot = engine.pool.open_slot()
+    engine.pool.grow(seq.slot, len(ids), 0)
+    engine.pool.flush()
+    hidden, _, _ = engine.runner.forward_chunks([(seq, len(ids))])
+    return seq, hidden
+
+
+def pool_kv(engine: Engine, slot: int, n: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """transformers' ``shared_kv_states`` [1, 1, n, d] of the slot's first n positions, from qat4's pool."""
+    out = {}
+    for kind, layer in TINY.first_shared_types().items():
+        rows = engine.pool.store_rows(kind, torch.full((n,), slot), torch.arange(n))
+        out[kind] = (engine.pool.k[layer][rows][None, None], engine.pool.v[layer][rows][None, None])
+    return out
+
+
+def hf_draft_step(hf_drafter, target: Engine, token: int, hidden: torch.Tensor, position: int, kv):
+    with torch.no_grad():
+        e = target.model.embed_input(torch.tensor([token]))
+        return hf_drafter(inputs_embeds=torch.cat([e, hidden.view(1, -1)], -1).view(1, 1, -1),
+                          attention_mask=torch.ones(1, position + 1, dtype=torch.long),
+                          position_ids=torch.tensor([[position]]), shared_kv_states=kv, use_cache=False)
+
+
+# ---- the checkpoint ----------------------------------------------------------------------------
+
+
+def test_a_synthetic_drafter_loads_in_transformers_with_the_same_tensors(drafter_dir, hf_drafter):
+    checkpoint = load_assistant(drafter_dir)
+    assert checkpoint.config == synthetic_assistant_config(TINY)
+    state = hf_drafter.state_dict()
+    for name, t in checkpoint.tensors.items():
+        assert torch.equal(state[name].to(t.dtype), t), name
+    assert hf_drafter.config.text_config.num_kv_shared_layers == 4
+
+
+def test_the_synthetic_e2b_drafter_has_the_published_shape():
+    config = synthetic_assistant_config(E2B)
+    t = config.text
+    assert (t.hidden_size, t.intermediate_size, t.num_hidden_layers, t.num_attention_heads) == (256, 2048, 4, 4)
+    assert (t.layer_head_dim(0), t.layer_head_dim(3), t.sliding_window, config.backbone_hidden_size) == (256, 512, 512, 1536)
+    assert (config.num_centroids, config.centroid_top_k, config.use_ordered_embeddings) == (2048, 32, True)
+
+
+def test_transformers_reads_the_config_qat4_writes_and_qat4_reads_it_back(drafter_dir):
+    raw = json.loads((drafter_dir / "config.json").read_text())
+    hf = Gemma4AssistantConfig(**raw)
+    assert hf.text_config.layer_types == list(synthetic_assistant_config(TINY).text.layer_types)
+    assert load_assistant(drafter_dir).config.to_hf_dict() == raw
+
+
+def _rewrite(folder, tensors: dict, config: dict | None = None):
+    folder.mkdir()
+    with SafetensorsWriter(folder, [Entry(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]) as w:
+        for n, t in tensors.items():
+            w.write(n, t)
+    (folder / "config.json").write_text(json.dumps(config or synthetic_assistant_config(TINY).to_hf_dict()))
+    return folder
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t, c: t.pop("pre_projection.weight"), "has no tensor pre_projection.weight"),
+    (lambda t, c: t.__setitem__("model.norm.weight", torch.ones(7)), r"tensor model.norm.weight in .* is \[7\]; its config asks for \[32\]"),
+    (lambda t, c: t.__setitem__(ORDERING, torch.zeros_like(t[ORDERING])), "is not an ordering of the 262144 token ids"),
+    (lambda t, c: t.__setitem__("model.layers.9.mlp.up_proj.weight", torch.zeros(2, 2)), "tensor model.layers.9.mlp.up_proj.weight in .* is not part of"),
+    (lambda t, c: c.update(model_type="gemma4_text"), "is not an MTP drafter's config"),
+    (lambda t, c: c["text_config"].update(num_kv_shared_layers=2), "num_kv_shared_layers must equal num_hidden_layers"),
+    (lambda t, c: c.update(num_centroids=3), "num_centroids is 3; it must divide the vocabulary"),
+])
+def test_a_broken_drafter_checkpoint_is_one_clear_sentence(tmp_path, change, message):
+    tensors = synthetic_assistant_tensors(synthetic_assistant_config(TINY))
+    config = synthetic_assistant_config(TINY).to_hf_dict()
+    change(tensors, config)
+    with pytest.raises(Qat4Error, match=message):
+        load_assistant(_rewrite(tmp_path / "bad", tensors, config))
+
+
+def test_a_drafter_made_for_another_model_is_refused_before_anything_loads(packed, tmp_path):
+    other = write_synthetic_assistant(tmp_path / "e2b", E2B.replace(vocab_size=TINY.vocab_size, hidden_size=256), seed=1)
+    with pytest.raises(Qat4Error, match="was made for a model of hidden size 256; this one has 128"):
+        Engine.from_packed(packed, "cpu", speculative=f"mtp:{other}", **OPTIONS)
+    with pytest.raises(Qat4Error, match="there is no folder or file|does not exist"):
+        Engine.from_packed(packed, "cpu", speculative=f"mtp:{tmp_path / 'missing'}", **OPTIONS)
+
+
+# ---- one draft step against transformers ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [5, 9, 10, 20])  # below the window, W + 1 keys, one past, far past
+def test_a_draft_step_matches_transformers_on_the_same_kv_and_hidden_state(drafter_dir, hf_drafter, target, n):
+    ids = random_ids(n, n)
+    seq, hidden = prefill(target, ids)
+    try:
+        drafter = Gemma4Assistant(load_assistant(drafter_dir), target.model, 128)
+        token = int(target.model.argmax(hidden[-1:]))
+        kv = pool_kv(target, seq.slot, n)
+        want = hf_draft_step(hf_drafter, target, token, hidden[-1], n, kv)
+        seqs = PagedSeqs(torch.tensor([n - 1]), torch.arange(2), torch.tensor([seq.slot]), 1, 128)
+        with torch.no_grad():
+            y = drafter.step(torch.tensor([token]), hidden[-1:], torch.tensor([n]), target.pool, seqs)
+            ids_scored, logits = drafter.candidates(y)
+            projected = torch.nn.functional.linear(y, drafter.post_projection)
+        ref = want.logits[0, 0]
+        floor = ref.min()
+        assert set(ids_scored[0].tolist()) == set(torch.nonzero(ref > floor).flatten().tolist())
+        assert torch.allclose(logits[0], ref[ids_scored[0]], rtol=0, atol=1e-4 * float(ref.abs().max()))
+        assert torch.allclose(projected[0], want.last_hidden_state[0, 0], rtol=0, atol=1e-4)
+        assert int(drafter.next_token(y)) == int(ref.argmax())
+    finally:
+        target.pool.close_slot(seq.slot)
+
+
+def test_k_drafts_chain_like_transformers_candidate_generator(drafter_dir, hf_drafter, target):
+    n = 14
+    seq, hidden = prefill(target, random_ids(n, 7))
+    try:
+        drafter = Gemma4Assistant(load_assistant(drafter_dir), target.model, 128)
+        token = int(target.model.argmax(hidden[-1:]))
+        kv, h, want = pool_kv(target, seq.slot, n), hidden[-1], []
+        for _ in range(DRAFTS):  # transformers: the same position every step, the drafter's hidden fed back
+            out = hf_draft_step(hf_drafter, target, token, h, n, kv)
+            token, h = int(out.logits[0, 0].argmax()), out.last_hidden_state[0, 0]
+            want.append(token)
+        with torch.no_grad():
+            got = drafter.draft(torch.tensor([int(target.model.argmax(hidden[-1:]))]), hidden[-1:], torch.tensor([n]),
+                                target.pool, torch.tensor([seq.slot]), DRAFTS, 128)
+        assert got[0].tolist() == want
+    finally:
+        target.pool.close_slot(seq.slot)
+
+
+def test_the_full_output_table_head_matches_transformers_without_ordered_embeddings(drafter_dir, target):
+    checkpoint = load_assistant(drafter_dir)
+    raw = checkpoint.config.to_hf_dict() | {"use_ordered_embeddings": False}
+    from qat4.checkpoint.assistant import AssistantConfig
+
+    unordered = AssistantCheckpoint(AssistantConfig.from_hf_dict(raw),
+                                    {n: t for n, t in checkpoint.tensors.items() if not n.startswith("masked_embedding")},
+                                    checkpoint.source)
+    hf = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(**raw)).eval()
+    hf.config.get_text_config()._attn_implementation = "eager"
+    hf.load_state_dict({n: t.float() for n, t in unordered.tensors.items()}, strict=False)
+    hf.lm_head.weight = hf.model.embed_tokens.weight
+    n = 11
+    seq, hidden = prefill(target, random_ids(n, 2))
+    try:
+        drafter = Gemma4Assistant(unordered, target.model, 128)
+        token = int(target.model.argmax(hidden[-1:]))
+        want = hf_draft_step(hf, target, token, hidden[-1], n, pool_kv(target, seq.slot, n)).logits[0, 0]
+        seqs = PagedSeqs(torch.tensor([n - 1]), torch.arange(2), torch.tensor([seq.slot]), 1, 128)
+        with torch.no_grad():
+            ids, logits = drafter.candidates(drafter.step(torch.tensor([token]), hidden[-1:], torch.tensor([n]),
+                                                          target.pool, seqs))
+        assert ids is None and torch.allclose(logits[0], want, rtol=0, atol=1e-4 * float(want.abs().max()))
+    finally:
+        target.pool.close_slot(seq.slot)
+
+
+# ---- in the engine -------------------------------------------------------------------------------
+
+
+def test_the_pool_keeps_the_keys_the_drafter_reads_behind_the_window(spec, plain):
+    assert plain.pool.window == TINY.sliding_window
+    assert spec.pool.window == TINY.sliding_window + 2  # W + 1 keys before the draft position, and the position
+    assert isinstance(spec.speculator.drafter, MTPDrafter) and spec.runner.last_hidden is not None
+    assert set(spec.speculator.drafter.costs) == {(b, k) for b in spec.spec_sizes for k in range(1, 4)}
+
+
+@pytest.mark.parametrize("n, new", [(3, 20), (13, 24), (30, 16)])
+def test_greedy_mtp_speculation_gives_the_plain_tokens(spec, plain, n, new):
+    ids = random_ids(n, 40 + n)
+    want = plain.generate(ids, new, temperature=0)
+    got = spec.generate(ids, new, temperature=0)
+    assert got.tokens == want.tokens and got.drafted > 0
+
+
+def test_seeded_sampling_with_mtp_drafts_gives_the_plain_tokens(spec, plain):
+    ids = random_ids(9, 3)
+    options = {"temperature": 1.0, "top_k": 64, "top_p": 0.95, "seed": 11}
+    assert spec.generate(ids, 20, **options).tokens == plain.generate(ids, 20, **options).tokens
+
+
+def test_a_batch_drafting_with_mtp_gets_every_plain_answer_and_gives_the_pool_back(spec, plain):
+    prompts = [random_ids(n, 70 + n) for n in (2, 6, 11, 17)]
+    want = [plain.generate(p, 18, temperature=0).tokens for p in prompts]
+    seqs = [spec.add_request(p, 18, temperature=0) for p in prompts]
+    while spec.has_work:
+        spec.step()
+    assert [s.output[: len(w)] for s, w in zip(seqs, want)] == want
+    assert all(s.drafted > 0 for s in seqs)
+    assert all(spec.pool.held_blocks(slot) == {kind: 0 for kind in spec.pool.blocks} for slot in range(spec.pool.max_seqs))
+
+
+class HiddenChecker:
+    """Drafts the plain continuation with every third draft wrong (so kept counts vary) and, at
+    each proposal, checks the runner's ``last_hidden`` against the hidden state a fresh prefill
+    of the sequence's tokens gives at the position before its newest token."""
+
+    def __init__(self, engine: Engine, reference: Engine, answers: dict[tuple[int, ...], list[int]]):
+        self.engine, self.reference, self.answers, self.checked, self.calls = engine, reference, answers, 0, 0
+
+    def propose(self, seq, k):
+        tokens = seq.tokens
+        other, hidden = prefill(self.reference, tokens[:-1])
+        self.reference.pool.close_slot(other.slot)
+        assert torch.allclose(self.engine.runner.last_hidden[seq.slot], hidden[-1], atol=1e-4), len(seq.output)
+        self.checked += 1
+        done = len(seq.output)
+        out = []
+        for t in self.answers[tuple(seq.prompt)][done : done + k]:
+            self.calls += 1
+            out.append(t if self.calls % 3 else t + 1)
+        return out
+
+
+def test_the_drafter_starts_from_the_hidden_state_of_the_last_kept_draft(packed, drafter_dir, plain, target):
+    engine = Engine.from_packed(packed, "cpu", speculative=f"mtp:{drafter_dir}", spec_tokens=3, spec_adaptive=False,
+                                **OPTIONS)
+    prompts = [random_ids(5, 1), random_ids(12, 2)]
+    answers = {tuple(p): plain.generate(p, 20, temperature=0).tokens for p in prompts}
+    checker = HiddenChecker(engine, target, answers)
+    engine.speculator.use(checker)
+    seqs = [engine.add_request(p, 20, temperature=0) for p in prompts]
+    while engine.has_work:
+        engine.step()
+    assert [s.output for s in seqs] == [answers[tuple(p)] for p in prompts]
+    assert checker.checked >= 8 and 0 < sum(s.accepted for s in seqs) < sum(s.drafted for s in seqs)
+
+
+def test_mtp_drafts_are_weighed_at_their_cost_and_stop_when_never_kept(packed, drafter_dir):
+    engine = Engine.from_packed(packed, "cpu", speculative=f"mtp:{drafter_dir}", spec_tokens=3, **OPTIONS)
+    out = engine.generate(random_ids(6, 9), 60, temperature=0)
+    # random weights: the drafter's tokens are refused, so after the first few steps it stops drafting
+    assert 0 < out.drafted and out.accepted <= 1
+    assert engine.speculator.verified < 30
+
+
+def test_the_drafter_loads_by_its_model_id_from_the_hugging_face_cache(tmp_path, monkeypatch, drafter_dir):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = tmp_path / "hf-home" / "hub" / "models--google--gemma-4-E2B-it-qat-q4_0-unquantized-assistant"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snapshot = repo / "snapshots" / ("0" * 40)  # as huggingface_hub stores a download
+    write_synthetic_assistant(snapshot, TINY, seed=3)
+    by_id = load_assistant("google/gemma-4-E2B-it-qat-q4_0-unquantized-assistant")
+    local = load_assistant(drafter_dir)
+    assert by_id.source == snapshot and all(torch.equal(by_id.tensors[n], t) for n, t in local.tensors.items())
+    with pytest.raises(Qat4Error, match="no model google/other-assistant is in the local Hugging Face cache"):
+        load_assistant("google/other-assistant")
