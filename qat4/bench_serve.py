@@ -31,7 +31,7 @@ import random
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -399,9 +399,10 @@ def run(workload: Workload, concurrencies: Sequence[int], report: ServeBenchRepo
 
 @dataclass
 class TurnReport:
-    """One turn over every session: time to first token with the prompt cache's help and read cold
-    (the same conversation under a fresh system message, so no prefix matches), and how much of
-    the previous turn's prompt came back from the cache."""
+    """One turn over every session: time to first token with the prompt cache's help, read cold
+    (the same conversation under a fresh system message, so no prefix matches) and for a prompt of
+    only the tokens the turn read (random ids, as many as its prompt minus its cached tokens), and
+    how much of the previous turn's prompt came back from the cache."""
 
     turn: int
     sessions: int
@@ -411,6 +412,13 @@ class TurnReport:
     reusable_tokens: float  # mean: the previous turn's prompt, which this one starts with
     ttft_ms: dict[str, float | None]
     cold_ttft_ms: dict[str, float | None]
+    new_only_ttft_ms: dict[str, float | None]
+
+    @property
+    def over_new_only(self) -> float | None:
+        """p50 TTFT over the p50 TTFT of reading only the new tokens."""
+        warm, new = self.ttft_ms["p50"], self.new_only_ttft_ms["p50"]
+        return warm / new if warm is not None and new else None
 
 
 def _conversation_turns(workload: Workload, turns: int, turn_len: int, rng: random.Random) -> list[list[str]]:
@@ -422,15 +430,19 @@ def run_multi_turn(workload: Workload, turns: int, sessions: int, turn_len: int,
                    on_result: Callable[[str, int, int, RequestResult], None] | None = None) -> list[TurnReport]:
     """`sessions` conversations of `turns` turns at once, each client sending its next turn when its
     last reply ended (the history grows by the reply and turn_len words each turn); then the same
-    requests again, each under a system message of its own (a cold read). TTFT per turn both ways
-    and the prompt tokens the server reports cached (usage.prompt_tokens_details.cached_tokens)."""
+    requests again, each under a system message of its own (a cold read), and as completions of
+    random token ids as long as what each warm turn read beyond its cached tokens (the time of
+    reading only the new tokens). TTFT per turn all three ways and the prompt tokens the server
+    reports cached (usage.prompt_tokens_details.cached_tokens)."""
     rng = random.Random(seed)
     conversations = [_conversation_turns(workload, turns, turn_len, rng) for _ in range(sessions)]
     tag = lambda: " ".join(rng.choices(WORDS, k=8))  # noqa: E731  (a system message of 8 words)
     sent: list[list[list[dict[str, str]]]] = [[] for _ in range(sessions)]
     warm: list[list[RequestResult]] = [[] for _ in range(sessions)]
     cold: list[list[RequestResult | None]] = [[None] * turns for _ in range(sessions)]
-    done = {"warm": 0, "cold": 0}
+    new_only: list[list[RequestResult | None]] = [[None] * turns for _ in range(sessions)]
+    ids = replace(workload, endpoint="completions")
+    done = {"warm": 0, "cold": 0, "new tokens only": 0}
 
     def counted(phase: str, result: RequestResult) -> None:
         done[phase] += 1
@@ -453,16 +465,24 @@ def run_multi_turn(workload: Workload, turns: int, sessions: int, turn_len: int,
             cold[s][t] = await send_request(client, workload, fresh, workload.output_len)
             counted("cold", cold[s][t])
 
-    async def both() -> None:
-        async with _client(workload, sessions) as client:
-            await asyncio.gather(*(converse(client, s) for s in range(sessions)))
-            await asyncio.gather(*(replay(client, s) for s in range(sessions)))
+    async def read_new(client: httpx.AsyncClient, s: int) -> None:
+        for t, turn in enumerate(warm[s]):
+            if turn.ok:
+                prompt = rng.choices(PROMPT_IDS, k=max(1, turn.input_tokens - turn.cached_tokens))
+                new_only[s][t] = await send_request(client, ids, prompt, workload.output_len)
+                counted("new tokens only", new_only[s][t])
 
-    asyncio.run(both())
+    async def phases() -> None:
+        async with _client(workload, sessions) as client:
+            for phase in (converse, replay, read_new):
+                await asyncio.gather(*(phase(client, s) for s in range(sessions)))
+
+    asyncio.run(phases())
     reports = []
     for t in range(turns):
         ok = [s for s in range(sessions) if t < len(warm[s]) and warm[s][t].ok]
         colds = [cold[s][t] for s in range(sessions) if cold[s][t] is not None and cold[s][t].ok]
+        news = [new_only[s][t] for s in range(sessions) if new_only[s][t] is not None and new_only[s][t].ok]
         per = max(1, len(ok))
         reports.append(TurnReport(
             turn=t + 1, sessions=sessions, failed=sessions - len(ok),
@@ -470,6 +490,7 @@ def run_multi_turn(workload: Workload, turns: int, sessions: int, turn_len: int,
             cached_tokens=sum(warm[s][t].cached_tokens for s in ok) / per,
             reusable_tokens=sum(warm[s][t - 1].input_tokens for s in ok if t) / per,
             ttft_ms=summarize_ms([warm[s][t].ttft_s for s in ok]), cold_ttft_ms=summarize_ms([r.ttft_s for r in colds]),
+            new_only_ttft_ms=summarize_ms([r.ttft_s for r in news]),
         ))
     return reports
 
@@ -484,12 +505,15 @@ def hit_rate(turns: Sequence[TurnReport]) -> float | None:
 
 def format_turns(turns: Sequence[TurnReport]) -> str:
     """The per-turn table of :func:`run_multi_turn` and the hit rate."""
-    head = f"{'turn':>5} {'prompt':>8} {'cached':>8} {'TTFT p50 ms':>12} {'cold p50 ms':>12} {'TTFT p99 ms':>12} {'cold p99 ms':>12}"
+    head = (f"{'turn':>5} {'prompt':>8} {'cached':>8} {'TTFT p50 ms':>12} {'cold p50 ms':>12} {'new-only p50':>12} "
+            f"{'x new-only':>10} {'TTFT p99 ms':>12} {'cold p99 ms':>12}")
     rows = [head]
     for t in turns:
-        times = (t.ttft_ms["p50"], t.cold_ttft_ms["p50"], t.ttft_ms["p99"], t.cold_ttft_ms["p99"])
+        p50s = (t.ttft_ms["p50"], t.cold_ttft_ms["p50"], t.new_only_ttft_ms["p50"])
         rows.append(f"{t.turn:>5} {t.prompt_tokens:>8,.0f} {t.cached_tokens:>8,.0f} "
-                    + " ".join(f"{_figure(ms, ',.1f'):>12}" for ms in times))
+                    + " ".join(f"{_figure(ms, ',.1f'):>12}" for ms in p50s)
+                    + f" {_figure(t.over_new_only, '.2f'):>10} "
+                    + " ".join(f"{_figure(ms, ',.1f'):>12}" for ms in (t.ttft_ms["p99"], t.cold_ttft_ms["p99"])))
     rate = hit_rate(turns)
     rows.append(f"prompt cache hit rate over turns 2..{len(turns)}: " + ("n/a" if rate is None else f"{rate:.1%}")
                 + " of the previous turn's prompt")

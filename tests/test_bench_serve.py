@@ -306,4 +306,5 @@ def test_multi_turn_conversations_hit_the_prompt_cache(tmp_path, capsys):
     assert all(t["cached_tokens"] >= t["reusable_tokens"] - 16 - 4 for t in later)  # all but the reply and a block
     assert report["hit_rate"] > 0.7
     printed = capsys.readouterr().out
-    assert "prompt cache hit rate over turns 2..3" in printed and "cold p50 ms" in printed
+    assert "prompt cache hit rate over turns 2..3" in printed and "cold p50 ms" in printed and "x new-only" in printed
+    assert all(t["new_only_ttft_ms"]["p50"] > 0 for t in report["per_turn"])

@@ -12,7 +12,7 @@
 #     cap      qat4 bench under --memory-cap-mib 3732 with 131,072 tokens held
 #     tune     qat4 bench --tune (saves decode tilings to $LOGS/decode_tilings.json, used by later steps)
 #     serve    qat4 bench serve at 1, 4, 16, 64 clients (512-token prompts, 128 new tokens)
-#     turns    qat4 bench serve --multi-turn: 8 conversations of 10 turns over an 8,000-word history
+#     turns    qat4 bench serve --multi-turn: 1, then 8 conversations of 10 turns over an 8,000-word history
 #     spec     qat4 bench speculative: verification cost and speed-up at acceptance 0 .. 0.9, batch 1 and 16
 #     mtp      the same with a synthetic E2B MTP drafter: its drafts' cost, paid in every replayed step
 #     profile  tools/profile_step.py at 1 and 64 sequences
@@ -78,8 +78,10 @@ if want serve; then
         --compare llama.cpp=1:357,4:1177,16:2424,64:5222 2>&1 | tee "$LOGS/bench_serve.log" | tail -14
 fi
 if want turns; then
-    timeout ${TURNS_TIMEOUT:-300} python3 -m qat4.cli bench serve "${E2B[@]}" --multi-turn 10 --sessions 8 --input-len 8000 \
-        --turn-len 64 --output-len 64 --json "$LOGS/bench_turns.json" 2>&1 | tee "$LOGS/bench_turns.log" | tail -16
+    for sessions in ${TURNS_SESSIONS:-1 8}; do
+        timeout ${TURNS_TIMEOUT:-300} python3 -m qat4.cli bench serve "${E2B[@]}" --multi-turn 10 --sessions $sessions --input-len 8000 \
+            --turn-len 64 --output-len 64 --json "$LOGS/bench_turns_$sessions.json" 2>&1 | tee "$LOGS/bench_turns_$sessions.log" | tail -16
+    done
 fi
 if want spec; then
     timeout ${SPEC_TIMEOUT:-300} python3 -m qat4.cli bench speculative "${E2B[@]}" --batch 1,16 --acceptance 0,0.3,0.5,0.7,0.9 \
