@@ -3,7 +3,7 @@ newest token, its hidden state and its K/V.
 
 One draft step for a sequence whose newest token ``t`` sits at position ``p`` (not yet run through
 the target), given the target's final-normed hidden state ``h`` at ``p - 1`` (the one whose logits
-picked ``t``), as transformers' ``Gemma4AssistantForCausalLM`` and its candidate generator run it:
+picked ``t``), as transformers' ``Gemma4AssistantForCausalLM`` runs one step:
 
 1. ``x = pre_projection(concat(E_target[t] * sqrt(D_target), h))`` (2 D_target -> d).
 2. The drafter's layers: each a Gemma 4 decoder layer whose attention has queries only (head norm,
@@ -14,6 +14,12 @@ picked ``t``), as transformers' ``Gemma4AssistantForCausalLM`` and its candidate
    ordered embeddings, only over the token ids of the ``centroid_top_k`` best of
    ``num_centroids`` centroids (every other id is below them all); no softcap.
 4. The next step continues from (draft, ``post_projection(y)``) at the same position ``p``.
+
+Where transformers' generation loop (``SinglePositionMultiTokenCandidateGenerator``) feeds it
+otherwise, qat4 follows the definition above: after a prompt that loop passes the hidden state of
+the prompt's first position rather than its last, and after a partly refused verification it
+leaves the refused draft's K/V at position ``p`` among the keys; qat4 always passes the state
+behind ``t`` and the keys before ``p`` (what the target verified).
 
 Matrices are dense in the target's compute dtype; the norms, head norms with RoPE and attention are
 qat4's ops (Triton on CUDA, torch on the CPU), so a draft of a batch of sequences is a fixed
@@ -40,7 +46,8 @@ from qat4.ops.norms import qk_norm_rope, residual_rms_norm, rms_norm
 class AssistantLayer:
     kind: str
     head_dim: int
-    window: int | None  # keys before the draft position a sliding layer sees, + 1 (the attention's window)
+    window: int | None  # sliding layers: the keys before the draft position it reads (the attention's
+    # window, for a query placed at p - 1); None on full layers
     source: int  # the target layer whose K/V it reads
     q_proj: torch.Tensor  # [H*hd, d]
     q_norm: torch.Tensor  # [hd]
@@ -83,7 +90,10 @@ class Gemma4Assistant:
                 pre_feedforward_norm=w(p + "pre_feedforward_layernorm.weight"),
                 post_feedforward_norm=w(p + "post_feedforward_layernorm.weight"), scalar=w(p + "layer_scalar"),
             ))
-        self.rope = {kind: rope_table(text, kind, max_positions, device, dtype) for kind in set(text.layer_types)}
+        if cfg.shares_rope(target.config):
+            self.rope = {kind: target.rope[kind] for kind in set(text.layer_types)}
+        else:
+            self.rope = {kind: rope_table(text, kind, max_positions, device, dtype) for kind in set(text.layer_types)}
         self.centroids = self.clusters = None
         if cfg.use_ordered_embeddings:
             self.centroids = w("masked_embedding.centroids.weight")  # [C, d]
@@ -91,10 +101,12 @@ class Gemma4Assistant:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of its weights and tables on the device, the target's RoPE tables it reads not counted."""
+        shared = {t.data_ptr() for t in self.target.rope.values()}
         seen = {}
         for t in (self.output, self.pre_projection, self.post_projection, self.norm, self.centroids, self.clusters,
                   *self.rope.values(), *(t for layer in self.layers for t in vars(layer).values())):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.data_ptr() not in shared:
                 seen[t.data_ptr()] = t.numel() * t.element_size()
         return sum(seen.values())
 
@@ -148,9 +160,10 @@ class Gemma4Assistant:
         cu_q = torch.arange(ids.shape[0] + 1, device=ids.device)
         seqs = PagedSeqs(positions - 1, cu_q, rows, 1, max_keys)
         drafts = []
-        for _ in range(k):
+        for i in range(k):
             y = self.step(ids, hidden, positions, pages, seqs)
             ids = self.next_token(y)
             drafts.append(ids)
-            hidden = F.linear(y, self.post_projection)
+            if i + 1 < k:
+                hidden = F.linear(y, self.post_projection)
         return torch.stack(drafts, dim=1)

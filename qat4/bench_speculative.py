@@ -58,7 +58,7 @@ class ReplayDrafter:
 @dataclass
 class CurvePoint:
     batch: int
-    acceptance: float  # the replay drafter's a
+    acceptance: float | None  # the replay drafter's a; None for the MTP drafter's own drafts
     spec_tokens: int | None  # drafts per step; None: the engine's adaptive choice
     drafter: str  # "replay", or "mtp" for the MTP drafter's own drafts
     decode_tok_s: float
@@ -112,7 +112,7 @@ def run(engine: Engine, model_name: str, batches: list[int], acceptances: list[f
     device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "CPU"
     report = SpecReport(model_name, device, new, context)
 
-    def measure(b: int, a: float, k: int | None, drafter, name: str, prompts, futures, plain: float) -> None:
+    def measure(b: int, a: float | None, k: int | None, drafter, name: str, prompts, futures, plain: float) -> None:
         speculator.use(drafter)
         speculator.adaptive, speculator.max_tokens = k is None, k or engine.spec_tokens
         kept, steps, refused = speculator.accepted, speculator.verified, speculator.refused
@@ -121,7 +121,8 @@ def run(engine: Engine, model_name: str, batches: list[int], acceptances: list[f
         refused = speculator.refused - refused
         report.curve.append(CurvePoint(b, a, k, name, tok_s, tok_s / plain, 1 + kept / steps if steps else 1.0,
                                        kept / (kept + refused) if kept + refused else 0.0, steps, speculator.host_s * 1e6))
-        log(f"batch {b}, {name} drafts, acceptance {a:.1f}, k {k or 'adaptive'}: {tok_s:,.0f} tok/s ({tok_s / plain:.2f}x)")
+        at = "" if a is None else f", acceptance {a:.1f}"
+        log(f"batch {b}, {name} drafts{at}, k {k or 'adaptive'}: {tok_s:,.0f} tok/s ({tok_s / plain:.2f}x)")
 
     for b in batches:
         padded = engine.runner.padded(b)
@@ -140,7 +141,7 @@ def run(engine: Engine, model_name: str, batches: list[int], acceptances: list[f
             for k in [*ks, None]:
                 measure(b, a, k, ReplayDrafter({}, a, engine.config.vocab_size, paid_by=mtp), "replay", prompts, futures, plain)
         if mtp is not None:
-            measure(b, 0.0, None, mtp, "mtp", prompts, None, plain)
+            measure(b, None, None, mtp, "mtp", prompts, None, plain)
     if mtp is not None:
         speculator.use(mtp)
     speculator.adaptive, speculator.max_tokens = True, engine.spec_tokens
@@ -160,7 +161,7 @@ def format_table(report: SpecReport) -> str:
                   f"  {'drafts':>7} {'acceptance':>10} {'k':>8} {'tok/s':>9} {'speed-up':>9} {'tokens/step':>12} "
                   f"{'seen a':>7} {'verifications':>14} {'wait µs':>8}"]
         for p in (p for p in report.curve if p.batch == b):
-            a = "—" if p.drafter == "mtp" else f"{p.acceptance:.1f}"
+            a = "—" if p.acceptance is None else f"{p.acceptance:.1f}"
             lines.append(f"  {p.drafter:>7} {a:>10} {p.spec_tokens or 'adaptive':>8} {p.decode_tok_s:>9,.0f} "
                          f"{p.speedup:>8.2f}x {p.tokens_per_step:>12.2f} {p.seen_acceptance:>7.2f} "
                          f"{p.verifications:>14} {p.wait_us:>8,.0f}")

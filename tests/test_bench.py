@@ -101,3 +101,27 @@ def test_bench_bad_arguments_are_one_line(args, message):
     proc = subprocess.run([sys.executable, "-m", "qat4.cli", *base, *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_speculative_with_an_mtp_drafter_pays_its_drafts_and_reports_their_cost(tmp_path):
+    """--mtp: the drafter's cost for k = 1 .. --spec-tokens, the replayed curve with its drafts run
+    and paid, and one run with its own drafts."""
+    from qat4.checkpoint.assistant import write_synthetic_assistant
+    from qat4.config import TINY
+
+    drafter = write_synthetic_assistant(tmp_path / "mtp", TINY)
+    out = tmp_path / "spec.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "qat4.cli", "bench", "speculative", "--model", "synthetic:tiny", "--device", "cpu",
+         "--batch", "1", "--acceptance", "1", "--k", "2", "--new", "6", "--context", "16", "--mtp", str(drafter),
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "the MTP drafter's k drafts" in proc.stdout
+    report = json.loads(out.read_text())
+    assert len(report["draft_us"]["1"]) == 2 and all(us > 0 for us in report["draft_us"]["1"])
+    replay = next(p for p in report["curve"] if p["drafter"] == "replay" and p["spec_tokens"] == 2)
+    assert replay["seen_acceptance"] == 1.0
+    own = [p for p in report["curve"] if p["drafter"] == "mtp"]
+    assert len(own) == 1 and own[0]["acceptance"] is None and own[0]["decode_tok_s"] > 0

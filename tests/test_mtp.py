@@ -6,8 +6,9 @@ layout (``qat4 synth --assistant``): transformers loads the same folder, and is 
 hidden state qat4's target computed (the drafter's parity is then its own, not the target's). The
 drafter reads every key before its position on its full layer and the window + 1 before it on its
 sliding ones, so prompts below, at and past the window are checked. In the engine the drafter
-changes how fast tokens come, never which; the hidden state it starts from is the row of the last
-kept draft, which an oracle drafter whose drafts are kept and refused at known places checks.
+changes how fast tokens come, never which; at every step its drafts are those it makes from a fresh
+prefill of the sequence, while an oracle's drafts are verified instead, kept and refused at known
+places (so it starts from the row of the last kept draft).
 """
 
 import json
@@ -142,6 +143,10 @@ def _rewrite(folder, tensors: dict, config: dict | None = None):
     (lambda t, c: c.update(model_type="gemma4_text"), "is not an MTP drafter's config"),
     (lambda t, c: c["text_config"].update(num_kv_shared_layers=2), "num_kv_shared_layers must equal num_hidden_layers"),
     (lambda t, c: c.update(num_centroids=3), "num_centroids is 3; it must divide the vocabulary"),
+    (lambda t, c: t[ORDERING].masked_fill_(t[ORDERING] == 0, -1), "is not an ordering of the 262144 token ids"),
+    (lambda t, c: c["text_config"].update(enable_moe_block=True), "has neither enable_moe_block nor use_double_wide_mlp"),
+    (lambda t, c: c["text_config"].pop("num_hidden_layers"), "text_config.num_hidden_layers is None; it must be a positive"),
+    (lambda t, c: c.update(text_config=[1]), "needs a text_config object"),
 ])
 def test_a_broken_drafter_checkpoint_is_one_clear_sentence(tmp_path, change, message):
     tensors = synthetic_assistant_tensors(synthetic_assistant_config(TINY))
@@ -267,34 +272,51 @@ def test_a_batch_drafting_with_mtp_gets_every_plain_answer_and_gives_the_pool_ba
     assert all(spec.pool.held_blocks(slot) == {kind: 0 for kind in spec.pool.blocks} for slot in range(spec.pool.max_seqs))
 
 
-class HiddenChecker:
-    """Drafts the plain continuation with every third draft wrong (so kept counts vary) and, at
-    each proposal, checks the runner's ``last_hidden`` against the hidden state a fresh prefill
-    of the sequence's tokens gives at the position before its newest token."""
+class CheckedDrafts:
+    """Runs the engine's MTP drafter at every step and checks its drafts against the drafter run on
+    a fresh prefill of each sequence's tokens in another engine (the hidden state before the newest
+    token, every key before it); then proposes the plain continuation with every third draft wrong
+    instead, so verifications keep some drafts and refuse others."""
 
-    def __init__(self, engine: Engine, reference: Engine, answers: dict[tuple[int, ...], list[int]]):
-        self.engine, self.reference, self.answers, self.checked, self.calls = engine, reference, answers, 0, 0
+    def __init__(self, mtp: MTPDrafter, drafter_dir, reference: Engine, answers: dict[tuple[int, ...], list[int]], k: int):
+        self.mtp, self.reference, self.answers, self.k = mtp, reference, answers, k
+        self.drafter = Gemma4Assistant(load_assistant(drafter_dir), reference.model, 128)
+        self.checked, self.calls = 0, 0
 
-    def propose(self, seq, k):
+    def expected(self, seq) -> list[int]:
         tokens = seq.tokens
         other, hidden = prefill(self.reference, tokens[:-1])
-        self.reference.pool.close_slot(other.slot)
-        assert torch.allclose(self.engine.runner.last_hidden[seq.slot], hidden[-1], atol=1e-4), len(seq.output)
-        self.checked += 1
-        done = len(seq.output)
+        try:
+            with torch.no_grad():
+                return self.drafter.draft(torch.tensor([tokens[-1]]), hidden[-1:], torch.tensor([len(tokens) - 1]),
+                                          self.reference.pool, torch.tensor([other.slot]), self.k, 128)[0].tolist()
+        finally:
+            self.reference.pool.close_slot(other.slot)
+
+    def propose_all(self, seqs, k):
+        got = self.mtp.propose_all(seqs, self.k)
+        assert got == [self.expected(s) for s in seqs], [len(s.output) for s in seqs]
+        self.checked += len(seqs)
         out = []
-        for t in self.answers[tuple(seq.prompt)][done : done + k]:
-            self.calls += 1
-            out.append(t if self.calls % 3 else t + 1)
+        for seq in seqs:
+            done = len(seq.output)
+            drafts = []
+            for t in self.answers[tuple(seq.prompt)][done : done + k]:
+                self.calls += 1
+                drafts.append(t if self.calls % 3 else t + 1)
+            out.append(drafts)
         return out
 
+    def cost(self, b, k):
+        return self.mtp.cost(b, k)
 
-def test_the_drafter_starts_from_the_hidden_state_of_the_last_kept_draft(packed, drafter_dir, plain, target):
+
+def test_the_drafter_drafts_from_the_last_kept_drafts_state_in_the_engine(packed, drafter_dir, plain, target):
     engine = Engine.from_packed(packed, "cpu", speculative=f"mtp:{drafter_dir}", spec_tokens=3, spec_adaptive=False,
                                 **OPTIONS)
-    prompts = [random_ids(5, 1), random_ids(12, 2)]
+    prompts = [random_ids(5, 1), random_ids(12, 2)]  # the second is past the window from the start
     answers = {tuple(p): plain.generate(p, 20, temperature=0).tokens for p in prompts}
-    checker = HiddenChecker(engine, target, answers)
+    checker = CheckedDrafts(engine.speculator.drafter, drafter_dir, target, answers, 3)
     engine.speculator.use(checker)
     seqs = [engine.add_request(p, 20, temperature=0) for p in prompts]
     while engine.has_work:
@@ -325,3 +347,24 @@ def test_the_drafter_loads_by_its_model_id_from_the_hugging_face_cache(tmp_path,
     assert by_id.source == snapshot and all(torch.equal(by_id.tensors[n], t) for n, t in local.tensors.items())
     with pytest.raises(Qat4Error, match="no model google/other-assistant is in the local Hugging Face cache"):
         load_assistant("google/other-assistant")
+
+
+def test_qat4_synth_assistant_and_generate_with_it_on_the_command_line(tmp_path, capsys):
+    from qat4.cli import main
+
+    assert main(["synth", "--preset", "tiny", "--assistant", "--out", str(tmp_path / "mtp")]) == 0
+    assert "wrote an MTP drafter for the tiny model" in capsys.readouterr().out
+    assert main(["synth", "--preset", "tiny", "--assistant", "--format", "ct", "--out", str(tmp_path / "x")]) == 1
+    assert "--assistant writes the drafter's own layout; leave out --format" in capsys.readouterr().err
+    assert main(["synth", "--preset", "tiny", "--format", "ct-emb4", "--out", str(tmp_path / "tiny")]) == 0
+    capsys.readouterr()
+    generate = ["generate", "--model", str(tmp_path / "tiny"), "--device", "cpu", "--prompt", "Hello", "--max-new", "6",
+                "--temperature", "0"]
+    assert main(generate) == 0
+    plain_text = capsys.readouterr().out
+    assert main([*generate, "--speculative", f"mtp:{tmp_path / 'mtp'}", "--spec-tokens", "2"]) == 0
+    out = capsys.readouterr()
+    assert out.out == plain_text and "draft" in out.err
+    assert main([*generate, "--speculative", f"mtp:{tmp_path / 'nothing'}"]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'nothing'} does not exist" in err and "Traceback" not in err

@@ -50,12 +50,25 @@ class AssistantConfig:
         t = self.text
         if t.hidden_size_per_layer_input or t.use_double_wide_mlp:
             raise Qat4Error("an MTP drafter's config must have hidden_size_per_layer_input 0 and use_double_wide_mlp false")
+        if self.backbone_hidden_size < 1:
+            raise Qat4Error(f"config field backbone_hidden_size is {self.backbone_hidden_size}; it must be positive")
         if self.use_ordered_embeddings:
             if self.num_centroids < 1 or t.vocab_size % self.num_centroids:
                 raise Qat4Error(f"config field num_centroids is {self.num_centroids}; it must divide the vocabulary of {t.vocab_size}")
             if not 1 <= self.centroid_top_k <= self.num_centroids:
                 raise Qat4Error(f"config field centroid_intermediate_top_k is {self.centroid_top_k}; "
                                 f"it must be 1 to num_centroids ({self.num_centroids})")
+
+    def shares_rope(self, target: Gemma4Config) -> bool:
+        """Whether every layer type of the drafter rotates as ``target``'s does (its cos/sin tables
+        can be the target's)."""
+        return all(self.text.rope_parameters[kind] == target.rope_parameters.get(kind)
+                   and self.text.layer_head_dim(i) == target.layer_head_dim(target.layer_types.index(kind))
+                   for i, kind in enumerate(self.text.layer_types) if kind in target.layer_types)
+
+    @property
+    def tokens_per_centroid(self) -> int:
+        return self.text.vocab_size // self.num_centroids
 
     @property
     def keys_behind(self) -> int:
@@ -65,17 +78,25 @@ class AssistantConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict, source: str = "config.json") -> "AssistantConfig":
-        if raw.get("model_type") != MODEL_TYPE or not isinstance(raw.get("text_config"), dict):
-            raise Qat4Error(f"{source} is not an MTP drafter's config (model_type {MODEL_TYPE!r} with a text_config); "
-                            f"its model_type is {raw.get('model_type')!r}")
+        if raw.get("model_type") != MODEL_TYPE:
+            raise Qat4Error(f"{source} is not an MTP drafter's config: its model_type is {raw.get('model_type')!r}, "
+                            f"not {MODEL_TYPE!r}")
+        if not isinstance(raw.get("text_config"), dict):
+            raise Qat4Error(f"{source}: an MTP drafter's config needs a text_config object (the drafter's decoder)")
         text = dict(raw["text_config"])
         layers = text.get("num_hidden_layers")
+        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+            raise Qat4Error(f"{source}: config field text_config.num_hidden_layers is {layers!r}; it must be a positive integer")
         shared = text.get("num_kv_shared_layers") or layers
         if shared != layers:
             raise Qat4Error(f"{source}: an MTP drafter's layers all read the target's K/V, so num_kv_shared_layers "
-                            f"must equal num_hidden_layers ({layers}), not {shared}")
-        text.update(num_kv_shared_layers=0, hidden_size_per_layer_input=text.get("hidden_size_per_layer_input", 0),
-                    vocab_size_per_layer_input=text.get("vocab_size_per_layer_input", 0),
+                            f"must equal num_hidden_layers ({layers}), not {shared!r}")
+        for key in ("hidden_size_per_layer_input", "vocab_size_per_layer_input"):
+            if text.get(key, 0):
+                raise Qat4Error(f"{source}: config field text_config.{key} is {text[key]!r}; an MTP drafter has none (0)")
+        if text.get("enable_moe_block") or text.get("use_double_wide_mlp"):
+            raise Qat4Error(f"{source}: an MTP drafter has neither enable_moe_block nor use_double_wide_mlp")
+        text.update(num_kv_shared_layers=0, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
                     final_logit_softcapping=None, tie_word_embeddings=raw.get("tie_word_embeddings", True))
         try:
             return cls(
@@ -87,6 +108,8 @@ class AssistantConfig:
             )
         except (TypeError, ValueError) as exc:
             raise Qat4Error(f"{source} is not a readable MTP drafter config ({exc})") from None
+        except Qat4Error as exc:
+            raise Qat4Error(f"{source}: {exc}") from None
 
     def to_hf_dict(self) -> dict:
         """config.json as Google's drafter spells it (transformers reads it back)."""
@@ -192,7 +215,7 @@ def load_assistant(path_or_id: str | Path) -> AssistantCheckpoint:
         if name == ORDERING:
             if t.dtype not in (torch.int32, torch.int64):
                 raise Qat4Error(f"tensor {name} in {reader.file_of(name)} is {t.dtype}; token ids must be int32 or int64")
-            if not bool((torch.bincount(t.long().clamp(0, shape[0]), minlength=shape[0] + 1)[: shape[0]] == 1).all()):
+            if not torch.equal(t.long().sort().values, torch.arange(shape[0])):
                 raise Qat4Error(f"tensor {name} in {reader.file_of(name)} is not an ordering of the {shape[0]} token ids")
         elif not t.is_floating_point():
             raise Qat4Error(f"tensor {name} in {reader.file_of(name)} is {t.dtype}; the drafter's weights are dense floats")

@@ -80,7 +80,9 @@ class EngineConfig:
     @property
     def mtp_source(self) -> str | None:
         """The MTP drafter's folder or model id, when ``speculative`` names one."""
-        return self.speculative[len(MTP_PREFIX):] if self.speculative and self.speculative.startswith(MTP_PREFIX) else None
+        if self.speculative and self.speculative.startswith(MTP_PREFIX):
+            return self.speculative[len(MTP_PREFIX):].strip()
+        return None
 
     @classmethod
     def of(cls, config: "EngineConfig | None" = None, **options) -> "EngineConfig":

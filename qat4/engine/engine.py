@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from qat4.checkpoint.packed_model import PackedModel
-from qat4.engine.config import EngineConfig
+from qat4.engine.config import MAX_CTX_DEFAULT, EngineConfig
 from qat4.engine.kv_cache import KVPool, PoolExhausted
 from qat4.engine.memory import MIB, Plan, cap_text, default_dtype, model_nbytes, plan
 from qat4.engine.model_runner import ModelRunner
@@ -133,7 +133,8 @@ class Engine:
 
             assistant = load_assistant(config.mtp_source)
             assistant.config.check_target(packed.config, config.mtp_source)
-            drafter_bytes = drafter_nbytes(assistant, config.dtype or default_dtype(device), packed.config.max_position_embeddings)
+            max_ctx = min(packed.config.max_position_embeddings, config.max_ctx or MAX_CTX_DEFAULT)
+            drafter_bytes = drafter_nbytes(assistant, packed.config, config.dtype or default_dtype(device), max_ctx)
             window = max(packed.config.sliding_window, assistant.config.keys_behind + 1)  # its reach and the query
         attempt = config
         while True:
@@ -260,8 +261,12 @@ class Engine:
 
     @property
     def nbytes(self) -> dict[str, int]:
-        """Device memory by part: weights and tables, KV pool."""
-        return {"model": self.model.nbytes, "kv_cache": self.pool.nbytes}
+        """Device memory by part: weights and tables, KV pool, and the MTP drafter's weights when it drafts."""
+        parts = {"model": self.model.nbytes, "kv_cache": self.pool.nbytes}
+        assistant = getattr(self.speculator.drafter, "assistant", None) if self.speculator is not None else None
+        if assistant is not None:
+            parts["drafter"] = assistant.nbytes
+        return parts
 
     # ---- prompts and parameters --------------------------------------------------------------
 

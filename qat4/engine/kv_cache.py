@@ -11,7 +11,8 @@ block_size`` of every layer of that type (``qat4.ops.attention``).
   131,072-token conversation and many short ones share the same memory.
 - Sliding layers are paged the same way, but a block whose positions have all left the window of
   every query still to come is given back at once: a decoding sequence holds at most
-  ``ceil(W / block_size) + 1`` blocks whatever its length. (A ring of W slots per sequence
+  ``ceil(W / block_size) + 1`` blocks whatever its length. (With the MTP drafter, which reads
+  W + 1 positions behind its query, the pool's window is W + 2.) (A ring of W slots per sequence
   holds as much; pages also let a prompt chunk of any length write its keys before it attends,
   as a decode step does, since the window of the chunk's first query reaches W - 1 positions
   behind the chunk, and let one kernel read both layer types.)
@@ -138,17 +139,17 @@ def sliding_blocks_per_seq(window: int, block_size: int, max_ctx: int) -> int:
 
 
 def pool_blocks(config: Gemma4Config, *, kv_tokens: int, max_seqs: int, prefill_chunk: int, max_ctx: int,
-                block_size: int, cache_blocks: int = 0, lookahead: int = 0) -> dict[str, int]:
+                block_size: int, cache_blocks: int = 0, lookahead: int = 0, window: int | None = None) -> dict[str, int]:
     """Blocks per layer type (scratch included) of a pool holding ``kv_tokens`` full-attention
-    positions, and on sliding layers the window of ``max_seqs`` decoding sequences (each with
-    ``lookahead`` draft positions past its newest token) plus one step's prompt chunk and
-    ``cache_blocks`` for the prompt cache's restart windows."""
+    positions, and on sliding layers the ``window`` (default the model's) of ``max_seqs`` decoding
+    sequences (each with ``lookahead`` draft positions past its newest token) plus one step's
+    prompt chunk and ``cache_blocks`` for the prompt cache's restart windows."""
     kinds = {config.layer_types[i] for i in range(config.first_kv_shared_layer)}
     blocks = {}
     if FULL in kinds:
         blocks[FULL] = math.ceil(kv_tokens / block_size) + 1
     if SLIDING in kinds:
-        per_seq = sliding_blocks_per_seq(config.sliding_window + lookahead, block_size, max_ctx)
+        per_seq = sliding_blocks_per_seq((window or config.sliding_window) + lookahead, block_size, max_ctx)
         blocks[SLIDING] = max_seqs * per_seq + math.ceil(prefill_chunk / block_size) + 1 + cache_blocks
     return blocks
 

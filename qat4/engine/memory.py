@@ -18,7 +18,7 @@ import torch
 
 from qat4.checkpoint.packed_model import PackedModel
 from qat4.checkpoint.packing import PackedTensor
-from qat4.config import SLIDING
+from qat4.config import SLIDING, Gemma4Config
 from qat4.engine.config import MAX_CTX_DEFAULT, EngineConfig
 from qat4.engine.kv_cache import block_nbytes, pool_blocks, pool_nbytes
 from qat4.errors import Qat4Error
@@ -75,8 +75,15 @@ def model_nbytes(packed: PackedModel, max_ctx: int, dtype: torch.dtype) -> int:
     tensors = list(packed.tensors.values()) + ([packed.lm_head] if packed.lm_head is not None else [])
     for t in tensors:
         total += t.packed.numel() * 4 + t.scales.numel() * item if isinstance(t, PackedTensor) else t.numel() * item
-    cfg = packed.config
-    for kind in set(cfg.layer_types):  # a cos/sin table of 2 * n_rot columns per layer type
+    return total + rope_nbytes(packed.config, max_ctx, dtype)
+
+
+def rope_nbytes(cfg: Gemma4Config, max_ctx: int, dtype: torch.dtype) -> int:
+    """Bytes of the RoPE tables of ``cfg`` (:func:`qat4.model.rope_table`): a cos/sin table of
+    2 * n_rot columns per layer type."""
+    item = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for kind in set(cfg.layer_types):
         rope = cfg.rope_parameters[kind]
         half = cfg.layer_head_dim(cfg.layer_types.index(kind)) // 2
         n_rot = int(float(rope.get("partial_rotary_factor", 1.0)) * half) if rope.get("rope_type") == "proportional" else half
@@ -121,7 +128,6 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig, drafte
     ``drafter_nbytes`` whose sliding layers need ``window`` positions kept per query (more than
     the model's own); raises Qat4Error when it cannot fit."""
     cfg = packed.config
-    reach = max(0, (window or cfg.sliding_window) - cfg.sliding_window)
     dtype = config.dtype or default_dtype(device)
     max_ctx = min(cfg.max_position_embeddings, MAX_CTX_DEFAULT if config.max_ctx is None else int(config.max_ctx))
     kv_tokens = int(config.kv_tokens or max_ctx)
@@ -136,7 +142,7 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig, drafte
 
     def kv(seqs: int, chunk: int, cache: int = 0) -> tuple[dict[str, int], int]:
         blocks = pool_blocks(cfg, kv_tokens=kv_tokens, max_seqs=seqs, prefill_chunk=chunk, max_ctx=max_ctx,
-                             block_size=bs, cache_blocks=cache, lookahead=spec_tokens + reach)
+                             block_size=bs, cache_blocks=cache, lookahead=spec_tokens, window=window)
         return blocks, pool_nbytes(cfg, blocks, bs, seqs, max_ctx, dtype)
 
     if device.type != "cuda":

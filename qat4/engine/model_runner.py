@@ -27,6 +27,8 @@ verifying step the row of the last draft the target agreed with.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from qat4.engine.kv_cache import KVPool, to_device
@@ -40,6 +42,21 @@ def graph_sizes(max_num_seqs: int) -> list[int]:
     """Batch sizes with a captured decode graph: 1, 2, 4, 8, then every 16, and max_num_seqs."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
     return sizes + [max_num_seqs]
+
+
+def capture_graph(run: Callable[[], None], device: torch.device, pool=None) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``run`` (in memory pool ``pool``, when given): two eager runs on a side
+    stream first, which compile and tune its kernels, then the capture."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        run()
+    return graph
 
 
 class StepTokens:
@@ -174,15 +191,7 @@ class ModelRunner:
         if not self.use_graph or (b, q, keep) in self.graphs:
             return
         self._meta[:, : b * q] = torch.tensor([[0], [0], [self.pool.scratch_row]], device=self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._decode(b, q, keep)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            self._decode(b, q, keep)
+        graph = capture_graph(lambda: self._decode(b, q, keep), self.device, self._graph_pool)
         self._graph_pool = graph.pool()
         self.graphs[(b, q, keep)] = graph
 

@@ -13,25 +13,31 @@ target's step costs) is weighed by the speculator beside the verification they s
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from qat4.assistant import Gemma4Assistant
 from qat4.checkpoint.assistant import AssistantCheckpoint
+from qat4.config import Gemma4Config
 from qat4.engine.kv_cache import to_device
+from qat4.engine.memory import rope_nbytes
+from qat4.engine.model_runner import ModelRunner, capture_graph
 from qat4.engine.sequence import Sequence
-from qat4.engine.speculation import COST_DEPTH
+from qat4.engine.speculation import COST_DEPTH, SPEC_MAX_BATCH
+from qat4.engine.tuning import best_seconds, replay_us
 
-WORKSPACE_NBYTES = 64 << 20  # the drafter's activations and graphs beside its weights (candidate rows of 16 sequences)
+GRAPHS_NBYTES = 16 << 20  # what its captured graphs keep beside their activations (attention partials)
 
 
-def drafter_nbytes(checkpoint: AssistantCheckpoint, dtype: torch.dtype, max_ctx: int) -> int:
-    """Device bytes the drafter takes: its weights in ``dtype``, its RoPE tables, its working memory."""
-    text = checkpoint.config.text
+def drafter_nbytes(checkpoint: AssistantCheckpoint, target: Gemma4Config, dtype: torch.dtype, max_ctx: int) -> int:
+    """Device bytes the drafter takes beside ``target``: its weights in ``dtype``, its RoPE tables
+    unless it shares the target's, and its working memory: for SPEC_MAX_BATCH sequences the output
+    rows of its candidates, gathered, with their logits and headroom as much again."""
+    cfg = checkpoint.config
     item = torch.empty((), dtype=dtype).element_size()
-    rope = sum(max_ctx * text.layer_head_dim(text.layer_types.index(kind)) * item for kind in set(text.layer_types))
-    return checkpoint.nbytes(dtype) + rope + WORKSPACE_NBYTES
+    rope = 0 if cfg.shares_rope(target) else rope_nbytes(cfg.text, max_ctx, dtype)
+    candidates = cfg.centroid_top_k * cfg.tokens_per_centroid if cfg.use_ordered_embeddings else cfg.text.vocab_size
+    working = 2 * SPEC_MAX_BATCH * candidates * (cfg.text.hidden_size + 1) * item
+    return checkpoint.nbytes(dtype) + rope + working + GRAPHS_NBYTES
 
 
 class MTPDrafter:
@@ -41,7 +47,7 @@ class MTPDrafter:
     per step. Graphs and costs for every (size, k) are made by :meth:`prepare`.
     """
 
-    def __init__(self, assistant: Gemma4Assistant, runner, sizes: list[int], max_tokens: int):
+    def __init__(self, assistant: Gemma4Assistant, runner: ModelRunner, sizes: list[int], max_tokens: int):
         if runner.last_hidden is None:
             raise ValueError("the MTP drafter needs a model runner built with keep_hidden")
         self.assistant, self.runner, self.sizes, self.max_tokens = assistant, runner, sizes, max_tokens
@@ -92,8 +98,6 @@ class MTPDrafter:
     @torch.no_grad()
     def prepare(self) -> None:
         """Capture the graph of every (size, k) on the scratch row (CUDA) and measure the costs."""
-        from qat4.engine.tuning import replay_us
-
         depth = max(1, min(COST_DEPTH, self.runner.max_ctx - 1))
         if not self.runner.use_graph:
             self._measure_eager(depth)
@@ -106,41 +110,22 @@ class MTPDrafter:
             self.costs[(b, k)] = replay_us(graph, 3) * 1e-6
 
     def _capture(self, b: int, k: int) -> None:
-        dev = self.runner.device
         self._place_scratch(b, 1)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._draft(b, k)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            self._draft(b, k)
+        graph = capture_graph(lambda: self._draft(b, k), self.runner.device, self._graph_pool)
         self._graph_pool = graph.pool()
         self.graphs[(b, k)] = graph
 
     def _measure_eager(self, depth: int) -> None:
         """Without graphs: the best of three one-token drafts at the smallest and largest size,
         a straight line between them over b, k times that for k drafts."""
-        def timed(b: int) -> float:
+        def one(b: int) -> float:
             self._place_scratch(b, depth)
-            self._draft(b, 1)  # a first run warms caches
-            best = float("inf")
-            for _ in range(3):
-                if self.runner.device.type == "cuda":
-                    torch.cuda.synchronize(self.runner.device)
-                start = time.perf_counter()
-                self._draft(b, 1)
-                if self.runner.device.type == "cuda":
-                    torch.cuda.synchronize(self.runner.device)
-                best = min(best, time.perf_counter() - start)
-            return best
+            return best_seconds(lambda: self._draft(b, 1), self.runner.device)
 
         lo, hi = min(self.sizes), max(self.sizes)
-        at_lo = timed(lo)
-        at_hi = timed(hi) if hi > lo else at_lo
+        at_lo = one(lo)
+        at_hi = one(hi) if hi > lo else at_lo
         for b in self.sizes:
-            one = at_lo + (at_hi - at_lo) * (b - lo) / max(1, hi - lo)
+            per_draft = max(at_lo, at_lo + (at_hi - at_lo) * (b - lo) / max(1, hi - lo))
             for k in range(1, self.max_tokens + 1):
-                self.costs[(b, k)] = k * max(one, at_lo)
+                self.costs[(b, k)] = k * per_draft

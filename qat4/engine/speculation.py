@@ -34,7 +34,6 @@ the choice of k adds to the step's.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -229,7 +228,7 @@ def measure_step_costs(runner, sizes: list[int], qs: range, keep: int = 1) -> di
     of each captured graph (greedy, keep 1); else the best of three eager steps over one sequence
     of q rows (never below the cost of fewer rows), and for b sequences the cost of b * q rows read
     off a line through the last two measured (eager rows run close to one after another)."""
-    from qat4.engine.tuning import replay_us
+    from qat4.engine.tuning import best_seconds, replay_us
 
     def place(b: int, q: int) -> None:
         depth = max(0, min(COST_DEPTH, runner.max_ctx - q))
@@ -244,20 +243,10 @@ def measure_step_costs(runner, sizes: list[int], qs: range, keep: int = 1) -> di
                 place(b, q)
                 costs[(b, q)] = replay_us(runner.graphs[(b, q, keep)], 3) * 1e-6
         return costs
-    def timed() -> float:
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize(runner.device)
-        start = time.perf_counter()
-        runner.replay(1, q, keep)
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize(runner.device)
-        return time.perf_counter() - start
-
     by_rows, most = {}, 0.0
     for q in qs:
         place(1, q)
-        runner.replay(1, q, keep)  # a first run warms caches
-        most = max(most, min(timed() for _ in range(3)))  # more rows never cost less
+        most = max(most, best_seconds(lambda: runner.replay(1, q, keep), runner.device))  # more rows never cost less
         by_rows[q] = most
     top = max(qs)
     slope = by_rows[top] - by_rows[top - 1] if top - 1 in by_rows else by_rows[top]

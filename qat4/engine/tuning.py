@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -68,6 +69,21 @@ def replay_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
         torch.cuda.synchronize()
         best = min(best, start.elapsed_time(end) * 1000 / replays)
     return best
+
+
+def best_seconds(run: Callable[[], None], device: torch.device, tries: int = 3) -> float:
+    """Seconds of the fastest of ``tries`` calls of ``run`` (synchronised on CUDA), after one that warms caches."""
+    def timed() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    run()
+    return min(timed() for _ in range(tries))
 
 
 def tune_decode_tilings(runner, key: tuple[int, int, int], replays: int = 50,
