@@ -250,6 +250,7 @@ def test_plan_takes_the_largest_chunk_and_the_most_sequences_that_fit(monkeypatc
     monkeypatch.setattr(memory, "model_nbytes", lambda *a: 100 * mib)
     monkeypatch.setattr(memory, "pool_nbytes", lambda cfg, blocks, bs, seqs, ctx, dtype: 10 * mib + seqs * mib)
     monkeypatch.setattr(memory, "decode_nbytes", lambda packed, seqs, spec_tokens=0: 0)
+    monkeypatch.setattr(memory, "chunk_graph_nbytes", lambda prefill_chunk: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda", 0)

@@ -243,3 +243,50 @@ def test_from_gguf_reader_fields_and_file(tmp_path):
 def test_metadata_without_merges_is_rejected():
     with pytest.raises(Qat4Error, match="merges"):
         Tokenizer.from_gguf_metadata({k: v for k, v in TINY.items() if k != "tokenizer.ggml.merges"})
+
+
+def _random_chat_text(rng, words):
+    """Long and short runs of words, whitespace and special tokens (and '<' that starts none) mixed."""
+    marks = ["<|turn>", "<turn|>", "<bos>", "<|tool_call>", '<|"|>', "<|channel>", "<", "<|", "<turn", "<<|turn>>", "\n"]
+    parts = []
+    for _ in range(rng.randint(1, 10)):
+        parts.append(" ".join(rng.choices(words, k=rng.choice([0, 3, 40, 400]))) + rng.choice(["", " ", "\n", "  "]))
+        parts.append(rng.choice(marks))
+    return "".join(parts)
+
+
+def test_encoding_piece_by_piece_with_the_cache_gives_the_whole_encode(json_tokenizer):
+    """Pieces between added tokens are encoded alone and long ones cached; the ids are those of one
+    encode of the whole text, the first time and from the cache."""
+    import random
+
+    from qat4.bench_serve import WORDS
+
+    hf = json_tokenizer._hf
+    assert json_tokenizer._pieces is not None
+    rng = random.Random(0)
+    for _ in range(60):
+        text = _random_chat_text(rng, WORDS)
+        want = hf.encode(text, add_special_tokens=False).ids
+        assert json_tokenizer.encode(text) == want and json_tokenizer.encode(text) == want, text[:120]
+
+
+def test_the_encode_cache_keeps_a_bounded_number_of_characters(json_tokenizer, monkeypatch):
+    from qat4 import tokenizer
+
+    monkeypatch.setattr(tokenizer, "CACHE_CHARS", 5000)
+    pieces = tokenizer._PieceCache.of(json_tokenizer._hf)
+    texts = [("word%d " % i) * 300 for i in range(10)]  # 2,100+ characters each
+    for text in texts:
+        assert pieces.encode(text) == json_tokenizer._hf.encode(text, add_special_tokens=False).ids
+    assert pieces._chars <= 5000 and list(pieces._ids) == texts[-2:]
+
+
+def test_a_tokenizer_with_an_added_token_not_starting_with_a_bracket_encodes_whole():
+    import tokenizers
+    from tokenizers import AddedToken, models
+
+    hf = tokenizers.Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "[x]": 2}, merges=[]))
+    hf.add_tokens([AddedToken("[x]", normalized=False)])
+    tok = Tokenizer(hf, bos_id=0, eos_id=1)
+    assert tok._pieces is None and tok.encode("ab[x]ba") == hf.encode("ab[x]ba", add_special_tokens=False).ids

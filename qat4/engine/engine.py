@@ -87,7 +87,7 @@ class Engine:
         self.spec_tokens = spec_tokens  # drafts per step at most; 0: no speculative decoding
         spec_rows = min(plan.max_num_seqs, SPEC_MAX_BATCH) * (1 + spec_tokens) if spec_tokens else 0
         self.runner = ModelRunner(model, pool, max_num_seqs=plan.max_num_seqs, use_graph=cuda_graph, max_rows=spec_rows,
-                                  keep_hidden=keep_hidden)
+                                  keep_hidden=keep_hidden, max_chunk=plan.prefill_chunk)
         # the batch sizes a speculating step may have
         self.spec_sizes = [b for b in self.runner.batch_sizes if b <= SPEC_MAX_BATCH] if spec_tokens else []
         self.scheduler = Scheduler(pool, prefill_chunk=plan.prefill_chunk)
@@ -220,15 +220,19 @@ class Engine:
         return sorted({1, self.runner.keep_for([Sequence([0], self.sampling_params(), 0, 1, frozenset())])})
 
     def _capture_graphs(self) -> None:
-        """The decode graphs of every batch size for :meth:`_default_keeps`, and with speculative
-        decoding those of 1 + k rows per sequence for every k and batch size that may speculate;
-        other sampling shapes are captured when they first run."""
+        """The decode graphs of every batch size for :meth:`_default_keeps`, with speculative
+        decoding those of 1 + k rows per sequence for every k and batch size that may speculate,
+        and the one-sequence prompt chunks' graphs of every padded size, picking or not; other
+        sampling shapes are captured when they first run."""
         for keep in self._default_keeps():
             for b in self.runner.sizes:
                 self.runner.capture(b, 1, keep)
             for b in self.spec_sizes:
                 for q in range(2, self.spec_tokens + 2):
                     self.runner.capture(b, q, keep)
+        for t in self.runner.chunk_sizes:
+            for keep in (0, *self._default_keeps()):
+                self.runner.capture_chunk(t, keep)
 
     def _warm_kernels(self, probe: Sequence) -> None:
         """Launch every kernel variant an eager prompt step can need, on ``probe``'s blocks: a

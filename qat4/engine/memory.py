@@ -2,7 +2,8 @@
 
 Order of claims on the device memory (a cap's, or what the GPU has free): the model; the KV pool's
 full-attention blocks (``kv_tokens``); the sliding-window blocks of ``max_num_seqs`` sequences and
-the decode working memory of that many rows; then the prompt chunk's working memory and the
+the decode working memory of that many rows (and with CUDA graphs the prompt-chunk graphs'); then the
+prompt chunk's working memory and the
 autotuner's buffer, the largest of AUTO_PREFILL_CHUNKS that fits; last the prompt cache's extra
 sliding blocks (``prompt_cache_mib``: by default as much of DEFAULT_PROMPT_CACHE_MIB as is left).
 Without an explicit ``max_num_seqs``, as many sequences as fit with that working memory (up to the
@@ -108,6 +109,15 @@ def decode_nbytes(packed: PackedModel, seqs: int, spec_tokens: int = 0) -> int:
     return rows * (packed.config.vocab_size * 4 * 2 + (1 << 20)) + 2 * graphs * GRAPH_NBYTES
 
 
+def chunk_graph_nbytes(prefill_chunk: int) -> int:
+    """What the graphs of one-sequence prompt chunks keep from load on: the working memory of the
+    largest padded size they run (:data:`qat4.engine.model_runner.CHUNK_GRAPH_TOKENS`) within
+    ``prefill_chunk``."""
+    from qat4.engine.model_runner import CHUNK_GRAPH_TOKENS
+
+    return max((t for t in CHUNK_GRAPH_TOKENS if t <= prefill_chunk), default=0) * PREFILL_BYTES_PER_TOKEN
+
+
 def tuning_reserve(device: torch.device) -> int:
     """What the autotuner allocates beside everything else while it tunes at load: its L2 flush
     buffer (:func:`qat4.ops.w4_linear.flush_nbytes`)."""
@@ -160,7 +170,8 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig, drafte
         """Bytes of the pool and decode rows, with (``working``) the prompt chunk's working memory
         and the autotuner's buffer, which only a load that tunes needs at once."""
         extra = chunk * PREFILL_BYTES_PER_TOKEN + reserve if working else 0
-        return kv(seqs, chunk)[1] + decode_nbytes(packed, seqs, spec_tokens) + extra
+        graphs = chunk_graph_nbytes(chunk) if config.cuda_graph else 0
+        return kv(seqs, chunk)[1] + decode_nbytes(packed, seqs, spec_tokens) + graphs + extra
 
     if config.max_num_seqs:
         seqs = int(config.max_num_seqs)

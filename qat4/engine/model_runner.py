@@ -9,7 +9,13 @@ A step has two parts, both enqueued before the host waits for anything:
   copied into its static input buffer; the padding rows point at the pool's scratch row. A row
   whose id is still on the device (the token sampled by the previous step) reads it from
   ``last_token[slot]``.
-- **prompt chunks**, eagerly: the tokens of one or more prompts as one flat batch.
+- **prompt chunks**: the tokens of one or more prompts as one flat batch, eagerly. On CUDA a step
+  whose chunk is one sequence's, of at most CHUNK_GRAPH_TOKENS[-1] tokens, runs it padded to the
+  next size of CHUNK_GRAPH_TOKENS, replayed from a graph of that size when graphs are on (so a
+  graph and an eager engine compute the same): the padding rows belong to no sequence (no query
+  attends from them, every other op is row by row) and store their K/V on the scratch row. An eager prompt step is some 400 launches from Python (40 ms of host time on an
+  H200's host, whatever the chunk's length), which is most of a short prompt's time to its first
+  token and stalls every decoding sequence for as long.
 
 Each sampled token is written to ``last_token[slot]`` on the device (the next step's input) and to
 a pinned host buffer; :meth:`ModelRunner.launch` returns a :class:`StepTokens` that waits for that
@@ -36,6 +42,9 @@ from qat4.engine.sampler import SamplingParams, keep_shape, sample, uniforms
 from qat4.engine.sequence import Sequence
 from qat4.model import ForwardBatch, Gemma4
 from qat4.ops.attention import PagedSeqs
+
+
+CHUNK_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)  # padded sizes of the one-sequence prompt chunks replayed
 
 
 def graph_sizes(max_num_seqs: int) -> list[int]:
@@ -88,7 +97,7 @@ class ModelRunner:
     """The model, the KV pool and the per-slot device state of one engine."""
 
     def __init__(self, model: Gemma4, pool: KVPool, *, max_num_seqs: int, use_graph: bool, max_rows: int = 0,
-                 keep_hidden: bool = False):
+                 keep_hidden: bool = False, max_chunk: int = 0):
         dev = model.device
         self.model, self.pool, self.device = model, pool, dev
         self.max_num_seqs, self.max_ctx = max_num_seqs, pool.max_ctx
@@ -112,6 +121,15 @@ class ModelRunner:
         self._turn = 0
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}  # (batch size, q, keep)
         self._graph_pool = None
+        # one-sequence prompt chunks: ids, positions, slots [3, T]; cu_q [2], its table row [1] and
+        # the row that picks [1]; the picked token
+        self.chunk_sizes = [t for t in CHUNK_GRAPH_TOKENS if t <= max_chunk] if dev.type == "cuda" else []
+        width = max(self.chunk_sizes, default=0)
+        self._chunk_meta = torch.zeros(3, width, dtype=torch.int64, device=dev)
+        self._chunk_seqs = torch.zeros(4, dtype=torch.int64, device=dev)
+        self._chunk_token = torch.zeros(1, dtype=torch.int64, device=dev)
+        # (padded tokens, keep; 0: no pick) -> graph, or None once run eagerly without graphs
+        self.chunk_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
 
     # ---- per-slot state ------------------------------------------------------------------------
 
@@ -241,6 +259,10 @@ class ModelRunner:
     def run_prefill(self, chunks: list[tuple[Sequence, int]], sampled: list[int]) -> torch.Tensor:
         """Enqueue prompt chunks; the last row of the chunks listed in ``sampled`` (indices into
         chunks) picks its sequence's next token. Returns those tokens [len(sampled)]."""
+        keep = self.keep_for([chunks[i][0] for i in sampled]) if sampled else 0
+        padded = next((t for t in self.chunk_sizes if t >= chunks[0][1]), None) if len(chunks) == 1 else None
+        if padded is not None:
+            return self._replay_chunk(*chunks[0], padded, keep)
         if not sampled:
             self.forward_chunks(chunks)
             return torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -249,12 +271,59 @@ class ModelRunner:
             cu.append(cu[-1] + n)
         ends = to_device(torch.tensor([cu[i + 1] - 1 for i in sampled]), self.device)
         h, positions, slots = self.forward_chunks(chunks)
-        keep = self.keep_for([chunks[i][0] for i in sampled])
+        return self._pick_ends(h, slots, positions, ends, keep)
+
+    def _pick_ends(self, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, ends: torch.Tensor,
+                   keep: int) -> torch.Tensor:
+        """The tokens the rows ``ends`` of a prompt step pick, into their slots' last_token (and
+        last_hidden)."""
         tokens = self.pick(h[ends], slots[ends], positions[ends], keep)
         self.last_token.index_copy_(0, slots[ends], tokens)
         if self.last_hidden is not None:
             self.last_hidden.index_copy_(0, slots[ends], h[ends])
         return tokens
+
+    def _chunk(self, t: int, keep: int) -> None:
+        """The prompt chunk in ``_chunk_meta[:, :t]`` (one sequence's rows, then padding; ``_chunk_seqs``):
+        forward, and with keep > 0 the pick of its last real row into ``_chunk_token`` (what a graph captures)."""
+        ids, positions, slots = self._chunk_meta[:, :t]
+        cu_q, rows, end = self._chunk_seqs[:2], self._chunk_seqs[2:3], self._chunk_seqs[3:]
+        h = self.model.forward(ids, positions, self.pool, self._batch(slots, positions, cu_q, rows, t, self.max_ctx))
+        if keep:
+            self._chunk_token.copy_(self._pick_ends(h, slots, positions, end, keep))
+
+    def capture_chunk(self, t: int, keep: int) -> None:
+        """Capture the graph of a one-sequence prompt chunk padded to t tokens, picking with
+        sampling shape keep (0: no pick), if not yet captured, every row on the scratch row;
+        without graphs, run it once there (which compiles its kernels)."""
+        if (t, keep) in self.chunk_graphs:
+            return
+        scratch = self.pool.scratch_row
+        self._chunk_meta[:, :t] = torch.stack([torch.zeros(t, dtype=torch.int64), torch.arange(t),
+                                               torch.full((t,), scratch)]).to(self.device)
+        self._chunk_seqs.copy_(torch.tensor([0, t, scratch, t - 1]))
+        graph = None
+        if self.use_graph:
+            graph = capture_graph(lambda: self._chunk(t, keep), self.device, self._graph_pool)
+            self._graph_pool = graph.pool()
+        else:
+            self._chunk(t, keep)
+        self.chunk_graphs[(t, keep)] = graph
+
+    def _replay_chunk(self, seq: Sequence, n: int, t: int, keep: int) -> torch.Tensor:
+        """n prompt tokens of ``seq`` from ``num_computed`` on, padded to t tokens (rows n..), replayed
+        from their graph (or run eagerly without graphs)."""
+        self.capture_chunk(t, keep)
+        start, pad, scratch = seq.num_computed, t - n, self.pool.scratch_row
+        meta = [seq.tokens[start : start + n] + [0] * pad, [*range(start, start + n), *range(pad)],
+                [seq.slot] * n + [scratch] * pad]
+        self._chunk_meta[:, :t].copy_(to_device(torch.tensor(meta, dtype=torch.int64), self.device))
+        self._chunk_seqs.copy_(to_device(torch.tensor([0, n, seq.slot, n - 1]), self.device))
+        if self.use_graph:
+            self.chunk_graphs[(t, keep)].replay()
+        else:
+            self._chunk(t, keep)
+        return self._chunk_token if keep else torch.zeros(0, dtype=torch.int64, device=self.device)
 
     def launch(self, decode: list[Sequence], decode_keep: int, chunks: list[tuple[Sequence, int]],
                sampled: list[int]) -> StepTokens:

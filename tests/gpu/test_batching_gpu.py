@@ -18,6 +18,7 @@ from engine_runs import run
 from qat4.checkpoint.synth import synthetic_model
 from qat4.config import E2B
 from qat4.engine import Engine
+from qat4.engine.model_runner import CHUNK_GRAPH_TOKENS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from server_harness import LiveServer, tiny_tokenizer, wait_until  # noqa: E402
@@ -94,6 +95,30 @@ def test_rows_agree_with_the_same_sequence_alone(eager):
     kl = sum(kls) / len(kls)
     print(f"\nbatched vs alone over {compared} positions: mean KL {kl:.2e}, top-1 agreement {same / compared:.4f}")
     assert compared >= 8 and kl < 1e-3 and same / compared >= 0.9
+
+
+def test_padded_prompt_chunks_agree_with_the_prompt_read_unpadded(engine, eager):
+    """A one-sequence prompt chunk runs padded to the next of 16 .. 512 tokens (replayed from a
+    graph, or eagerly without graphs): its last row's logits against the same prompt read unpadded
+    (Engine.logits), KL and top-1 agreement printed."""
+    assert set(engine.runner.chunk_graphs) >= {(t, 1) for t in CHUNK_GRAPH_TOKENS}
+    seen = record_logits(eager)
+    kls, same = [], 0
+    lengths = (3, 16, 17, 100, 300, 512)
+    try:
+        for n in lengths:
+            p = prompts(1, length=n - 1, seed=n)[0]
+            seq = eager.add_request(p, 1, temperature=0, stop_token_ids=[])
+            while eager.has_work:
+                eager.step()
+            got = torch.log_softmax(seen[(seq.id, n - 1)], -1)
+            ref = torch.log_softmax(eager.logits(p)[-1].float().cpu(), -1)
+            kls.append(float((ref.exp() * (ref - got)).sum()))
+            same += int(got.argmax() == ref.argmax())
+    finally:
+        del eager.runner.pick
+    print(f"\npadded vs unpadded prompt chunks of {lengths} tokens: KL {max(kls):.2e} at most, top-1 {same}/{len(lengths)}")
+    assert max(kls) < 1e-3 and same >= len(lengths) - 1
 
 
 def test_a_seed_repeats_its_tokens_beside_any_neighbours(engine):
