@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import statistics
 import sys
 import time
@@ -127,10 +128,11 @@ def _timed(device: torch.device, fn, times: int = 1) -> float:
 @torch.no_grad()
 def time_prompt(engine: Engine, n: int, generator: torch.Generator) -> tuple[float, float]:
     """(prompt tok/s, time to first token in ms) for an n-token prompt read from an empty pool;
-    the best of two passes after a first one that compiles and tunes the kernels."""
-    ids = _random_ids(engine, n, generator)
+    the best of two passes after a first one that compiles and tunes the kernels, each pass a
+    prompt of its own (the same one again would come from the prompt cache)."""
     results = []
     for _ in range(3):
+        ids = _random_ids(engine, n, generator)
         first = engine.generate(ids, max_new_tokens=1, temperature=0, stop_token_ids=[]).prefill_ms
         results.append((n / first * 1e3, first))
     return max(results[1:], key=lambda r: r[0])
@@ -155,9 +157,12 @@ def time_decode(engine: Engine, depth: int, new: int, generator: torch.Generator
 def time_batch(engine: Engine, batch: int, context: int, new: int, generator: torch.Generator) -> BatchResult:
     """Aggregate decode speed of `batch` sequences decoding together, each holding `context` prompt
     tokens: every prompt is read first, then `new` steps of the engine's loop (decode rows only,
-    graph replays on CUDA) are timed; the decode phase alone, as llama-batched-bench's S_TG."""
-    seqs = [engine.add_request(_random_ids(engine, context, generator), new + 4, temperature=0, stop_token_ids=[])
-            for _ in range(batch)]
+    graph replays on CUDA) are timed; the decode phase alone, as llama-batched-bench's S_TG. The
+    first sequences decode while the later ones read their prompts (a chunk a step), so each may
+    generate that many steps more and still be decoding when the timing starts."""
+    reading = batch * math.ceil(context / engine.prefill_chunk)
+    seqs = [engine.add_request(_random_ids(engine, context, generator), new + 4 + reading, temperature=0,
+                               stop_token_ids=[]) for _ in range(batch)]
     while any(not s.output for s in seqs):
         engine.step()
     engine.step()

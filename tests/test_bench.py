@@ -125,3 +125,47 @@ def test_bench_speculative_with_an_mtp_drafter_pays_its_drafts_and_reports_their
     assert replay["seen_acceptance"] == 1.0
     own = [p for p in report["curve"] if p["drafter"] == "mtp"]
     assert len(own) == 1 and own[0]["acceptance"] is None and own[0]["decode_tok_s"] > 0
+
+
+def test_every_timed_prompt_is_read_cold_not_from_the_prompt_cache():
+    import torch
+
+    from qat4 import bench
+    from qat4.checkpoint.synth import synthetic_model
+    from qat4.config import TINY
+    from qat4.engine import Engine
+
+    engine = Engine.from_packed(synthetic_model(TINY, seed=0), "cpu", max_ctx=256)
+    generate, cached = engine.generate, []
+
+    def recorded(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        cached.append(out.cached_tokens)
+        return out
+
+    engine.generate = recorded
+    bench.time_prompt(engine, 64, torch.Generator().manual_seed(0))
+    assert cached == [0, 0, 0]
+
+
+def test_every_sequence_of_a_timed_batch_is_still_decoding_when_the_timing_starts(monkeypatch):
+    """Prompts read a chunk a step: the first sequences decode meanwhile and must not run out of
+    tokens before the timed steps."""
+    import torch
+
+    from qat4 import bench
+    from qat4.checkpoint.synth import synthetic_model
+    from qat4.config import TINY
+    from qat4.engine import Engine
+
+    engine = Engine.from_packed(synthetic_model(TINY, seed=0), "cpu", max_ctx=512, prefill_chunk=16)
+    timed = []
+    real = bench._timed
+
+    def checking(device, fn, times=1):
+        timed.append(len(engine.scheduler.running))
+        return real(device, fn, times)
+
+    monkeypatch.setattr(bench, "_timed", checking)
+    result = bench.time_batch(engine, 4, 64, 6, torch.Generator().manual_seed(0))
+    assert timed == [4] and result.decode_tok_s > 0
