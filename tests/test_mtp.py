@@ -368,3 +368,17 @@ def test_qat4_synth_assistant_and_generate_with_it_on_the_command_line(tmp_path,
     assert main([*generate, "--speculative", f"mtp:{tmp_path / 'nothing'}"]) == 1
     err = capsys.readouterr().err
     assert f"{tmp_path / 'nothing'} does not exist" in err and "Traceback" not in err
+
+
+def test_qat4_serve_says_it_drafts_with_the_mtp_drafter_and_what_it_holds(tmp_path, capsys, monkeypatch):
+    import re
+
+    from qat4.cli import main
+    from qat4.commands import serve
+
+    monkeypatch.setattr(serve._Server, "run", lambda self: None)  # everything up to listening
+    drafter = write_synthetic_assistant(tmp_path / "mtp", TINY)
+    assert main(["serve", "--model", "synthetic:tiny", "--device", "cpu", "--speculative", f"mtp:{drafter}"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(rf"speculative decoding with mtp:{re.escape(str(drafter))} drafts, up to 4 a step at up to "
+                     r"8 sequences \(the drafter: \d+ MiB\)", err), err

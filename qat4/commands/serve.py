@@ -156,8 +156,10 @@ def run(args: argparse.Namespace) -> int:
           f"({engine.nbytes['kv_cache'] / (1 << 20):,.0f} MiB); prompts read {engine.prefill_chunk} tokens a step; "
           f"prompt cache {'on' if engine.pool.prompt_cache else 'off'}", file=sys.stderr)
     if engine.speculator is not None:
+        drafter = engine.nbytes.get("drafter")
+        size = f" (the drafter: {drafter / (1 << 20):,.0f} MiB)" if drafter else ""
         print(f"qat4 serve: speculative decoding with {args.speculative} drafts, up to {engine.spec_tokens} a step "
-              f"at up to {engine.spec_sizes[-1]} sequences", file=sys.stderr)
+              f"at up to {engine.spec_sizes[-1]} sequences{size}", file=sys.stderr)
     if engine.device.type == "cuda":
         print(f"qat4 serve: {pinned_tilings_note(*engine.pinned_tilings)}", file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=HeaderTimeoutProtocol,
