@@ -382,3 +382,22 @@ def test_qat4_serve_says_it_drafts_with_the_mtp_drafter_and_what_it_holds(tmp_pa
     err = capsys.readouterr().err
     assert re.search(rf"speculative decoding with mtp:{re.escape(str(drafter))} drafts, up to 4 a step at up to "
                      r"8 sequences \(the drafter: \d+ MiB\)", err), err
+
+
+def test_mtp_drafting_stays_exact_through_preemption_and_prompt_cache_hits(packed, drafter_dir, plain, spec):
+    """A pool of 48 full-attention positions holds three prompts but not their replies: sequences
+    are preempted and read again while the drafter drafts every step from their hidden states, and
+    each still gets its plain tokens; so does a prompt read partly from the prompt cache."""
+    engine = Engine.from_packed(packed, "cpu", speculative=f"mtp:{drafter_dir}", spec_tokens=3, spec_adaptive=False,
+                                **OPTIONS | {"kv_tokens": 48})
+    prompts = [random_ids(9, 31), random_ids(11, 32), random_ids(13, 33)]
+    want = [plain.generate(p, 16, temperature=0).tokens for p in prompts]
+    seqs = [engine.add_request(p, 16, temperature=0) for p in prompts]
+    while engine.has_work:
+        engine.step()
+    assert engine.scheduler.preempted_total > 0 and all(s.drafted > 0 for s in seqs)
+    assert [s.output for s in seqs] == want
+    first = spec.generate(prompts[1], 12, temperature=0)
+    again = spec.generate(prompts[1] + first.tokens[:8], 6, temperature=0)  # a prefix the prompt cache holds
+    assert again.cached_tokens > 0 and again.drafted > 0
+    assert again.tokens == plain.generate(prompts[1] + first.tokens[:8], 6, temperature=0).tokens
