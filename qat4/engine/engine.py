@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from qat4.checkpoint.packed_model import PackedModel
-from qat4.engine.config import MAX_CTX_DEFAULT, EngineConfig
+from qat4.engine.config import EngineConfig
 from qat4.engine.kv_cache import KVPool, PoolExhausted
-from qat4.engine.memory import MIB, Plan, cap_text, default_dtype, model_nbytes, plan
+from qat4.engine.memory import MIB, Plan, cap_text, model_nbytes, plan
 from qat4.engine.model_runner import ModelRunner
 from qat4.engine.sampler import SamplingParams
 from qat4.engine.scheduler import Scheduler
@@ -92,6 +92,7 @@ class Engine:
         self.spec_sizes = [b for b in self.runner.batch_sizes if b <= SPEC_MAX_BATCH] if spec_tokens else []
         self.scheduler = Scheduler(pool, prefill_chunk=plan.prefill_chunk)
         self.speculator: Speculator | None = None  # set by enable_speculation
+        self.assistant = None  # the MTP drafter's model, when the engine drafts with one
         self._in_flight = None
         self._verify_started = None  # (time of the read before, sequences, drafts) of a verifying step in flight
         self.pinned_tilings = (0, 0)  # (decode GEMV shapes pinned from saved tilings, shapes in the steps); CUDA only
@@ -126,19 +127,15 @@ class Engine:
             device = torch.device("cuda", torch.cuda.current_device())
         if tokenizer is None and packed.source is not None:
             tokenizer = _find_tokenizer(packed.source)
-        assistant, drafter_bytes, window = None, 0, None
+        assistant = None
         if config.mtp_source is not None:  # read and checked before anything goes to the device
             from qat4.checkpoint.assistant import load_assistant
-            from qat4.engine.mtp import drafter_nbytes
 
             assistant = load_assistant(config.mtp_source)
             assistant.config.check_target(packed.config, config.mtp_source)
-            max_ctx = min(packed.config.max_position_embeddings, config.max_ctx or MAX_CTX_DEFAULT)
-            drafter_bytes = drafter_nbytes(assistant, packed.config, config.dtype or default_dtype(device), max_ctx)
-            window = max(packed.config.sliding_window, assistant.config.keys_behind + 1)  # its reach and the query
         attempt = config
         while True:
-            resolved = plan(packed, device, attempt, drafter_bytes, window)
+            resolved = plan(packed, device, attempt, assistant)
             try:
                 return cls._build(packed, device, resolved, config, tokenizer, assistant)
             except torch.cuda.OutOfMemoryError:
@@ -175,8 +172,8 @@ class Engine:
             from qat4.assistant import Gemma4Assistant
             from qat4.engine.mtp import MTPDrafter
 
-            drafter = MTPDrafter(Gemma4Assistant(assistant, model, resolved.max_ctx), engine.runner, engine.spec_sizes,
-                                 engine.spec_tokens)
+            engine.assistant = Gemma4Assistant(assistant, model, resolved.max_ctx)
+            drafter = MTPDrafter(engine.assistant, engine.runner, engine.spec_sizes, engine.spec_tokens)
             drafter.prepare()
             engine.enable_speculation(drafter, config.spec_adaptive)
         elif config.speculative:
@@ -267,9 +264,8 @@ class Engine:
     def nbytes(self) -> dict[str, int]:
         """Device memory by part: weights and tables, KV pool, and the MTP drafter's weights when it drafts."""
         parts = {"model": self.model.nbytes, "kv_cache": self.pool.nbytes}
-        assistant = getattr(self.speculator.drafter, "assistant", None) if self.speculator is not None else None
-        if assistant is not None:
-            parts["drafter"] = assistant.nbytes
+        if self.assistant is not None:
+            parts["drafter"] = self.assistant.nbytes
         return parts
 
     # ---- prompts and parameters --------------------------------------------------------------

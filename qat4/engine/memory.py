@@ -1,11 +1,11 @@
 """What an engine allocates, estimated before anything is: the plan behind :meth:`Engine.load`.
 
-Order of claims on the device memory (a cap's, or what the GPU has free): the model; the KV pool's
-full-attention blocks (``kv_tokens``); the sliding-window blocks of ``max_num_seqs`` sequences and
-the decode working memory of that many rows (and with CUDA graphs the prompt-chunk graphs'); then the
-prompt chunk's working memory and the
-autotuner's buffer, the largest of AUTO_PREFILL_CHUNKS that fits; last the prompt cache's extra
-sliding blocks (``prompt_cache_mib``: by default as much of DEFAULT_PROMPT_CACHE_MIB as is left).
+Order of claims on the device memory (a cap's, or what the GPU has free): the model, and the MTP
+drafter when one drafts; the KV pool's full-attention blocks (``kv_tokens``); the sliding-window
+blocks of ``max_num_seqs`` sequences and the decode working memory of that many rows (and with
+CUDA graphs the prompt-chunk graphs'); then the prompt chunk's working memory and the autotuner's
+buffer, the largest of AUTO_PREFILL_CHUNKS that fits; last the prompt cache's extra sliding blocks
+(``prompt_cache_mib``: by default as much of DEFAULT_PROMPT_CACHE_MIB as is left).
 Without an explicit ``max_num_seqs``, as many sequences as fit with that working memory (up to the
 default), else as many as fit without it; the model, the pool and the decode rows that do not fit
 are an error, and so is an explicit prompt cache that does not fit.
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qat4.checkpoint.assistant import AssistantCheckpoint
 from qat4.checkpoint.packed_model import PackedModel
 from qat4.checkpoint.packing import PackedTensor
 from qat4.config import SLIDING, Gemma4Config
@@ -132,11 +133,29 @@ def _free_nbytes(device: torch.device, cap: int | None) -> int:
     return cap - torch.cuda.memory_allocated(device) if cap is not None else torch.cuda.mem_get_info(device)[0]
 
 
-def plan(packed: PackedModel, device: torch.device, config: EngineConfig, drafter_nbytes: int = 0,
-         window: int | None = None) -> Plan:
-    """Resolve ``config`` for ``packed`` on ``device`` (module docstring), beside a drafter of
-    ``drafter_nbytes`` whose sliding layers need ``window`` positions kept per query (more than
-    the model's own); raises Qat4Error when it cannot fit."""
+DRAFTER_GRAPHS_NBYTES = 16 << 20  # what the MTP drafter's captured graphs keep beside their activations
+
+
+def drafter_nbytes(checkpoint: AssistantCheckpoint, target: Gemma4Config, dtype: torch.dtype, max_ctx: int) -> int:
+    """Device bytes the MTP drafter takes beside ``target``: its weights in ``dtype``, its RoPE
+    tables unless it shares the target's, and its working memory: for SPEC_MAX_BATCH sequences the
+    output rows of its candidates, gathered, with their logits and headroom as much again."""
+    from qat4.engine.speculation import SPEC_MAX_BATCH
+
+    cfg = checkpoint.config
+    item = torch.empty((), dtype=dtype).element_size()
+    rope = 0 if cfg.shares_rope(target) else rope_nbytes(cfg.text, max_ctx, dtype)
+    candidates = cfg.centroid_top_k * cfg.tokens_per_centroid if cfg.use_ordered_embeddings else cfg.text.vocab_size
+    working = 2 * SPEC_MAX_BATCH * candidates * (cfg.text.hidden_size + 1) * item
+    return checkpoint.nbytes(dtype) + rope + working + DRAFTER_GRAPHS_NBYTES
+
+
+def plan(packed: PackedModel, device: torch.device, config: EngineConfig,
+         drafter: AssistantCheckpoint | None = None) -> Plan:
+    """Resolve ``config`` for ``packed`` on ``device`` (module docstring), beside an MTP
+    ``drafter`` when given (its bytes, and the KV pool keeping the keys its sliding layers read
+    behind a query, :attr:`qat4.checkpoint.assistant.AssistantConfig.keys_behind`); raises
+    Qat4Error when it cannot fit."""
     cfg = packed.config
     dtype = config.dtype or default_dtype(device)
     max_ctx = min(cfg.max_position_embeddings, MAX_CTX_DEFAULT if config.max_ctx is None else int(config.max_ctx))
@@ -144,6 +163,8 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig, drafte
     cap = _cap_memory(device, config.memory_cap_mib) if config.memory_cap_mib is not None else None
     bs = config.block_size
     spec_tokens = config.spec_tokens if config.speculative else 0
+    window = max(cfg.sliding_window, drafter.config.keys_behind + 1) if drafter is not None else None
+    extra_nbytes = drafter_nbytes(drafter, cfg, dtype, max_ctx) if drafter is not None else 0
 
     sliding_nbytes = block_nbytes(cfg, SLIDING, bs, dtype)
     cache_mib = DEFAULT_PROMPT_CACHE_MIB if config.prompt_cache_mib is None else config.prompt_cache_mib
@@ -160,7 +181,7 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig, drafte
         chunk = int(config.prefill_chunk or min(AUTO_PREFILL_CHUNKS[-1], max_ctx))
         return Plan(dtype, max_ctx, seqs, chunk, kv_tokens, kv(seqs, chunk, cache_blocks)[0], None, on, window)
 
-    free = _free_nbytes(device, cap) - model_nbytes(packed, max_ctx, dtype) - drafter_nbytes
+    free = _free_nbytes(device, cap) - model_nbytes(packed, max_ctx, dtype) - extra_nbytes
     chunks = [config.prefill_chunk] if config.prefill_chunk else [c for c in AUTO_PREFILL_CHUNKS if c <= max_ctx]
     chunks = chunks or [max_ctx]
     smallest = min(chunks)

@@ -13,9 +13,10 @@ A step has two parts, both enqueued before the host waits for anything:
   whose chunk is one sequence's, of at most CHUNK_GRAPH_TOKENS[-1] tokens, runs it padded to the
   next size of CHUNK_GRAPH_TOKENS, replayed from a graph of that size when graphs are on (so a
   graph and an eager engine compute the same): the padding rows belong to no sequence (no query
-  attends from them, every other op is row by row) and store their K/V on the scratch row. An eager prompt step is some 400 launches from Python (40 ms of host time on an
-  H200's host, whatever the chunk's length), which is most of a short prompt's time to its first
-  token and stalls every decoding sequence for as long.
+  attends from them, every other op is row by row) and store their K/V on the scratch row. An
+  eager prompt step is some 400 launches from Python (40 ms of host time on an H200's host,
+  whatever the chunk's length), which is most of a short prompt's time to its first token and
+  stalls every decoding sequence for as long.
 
 Each sampled token is written to ``last_token[slot]`` on the device (the next step's input) and to
 a pinned host buffer; :meth:`ModelRunner.launch` returns a :class:`StepTokens` that waits for that

@@ -16,29 +16,11 @@ from __future__ import annotations
 import torch
 
 from qat4.assistant import Gemma4Assistant
-from qat4.checkpoint.assistant import AssistantCheckpoint
-from qat4.config import Gemma4Config
 from qat4.engine.kv_cache import to_device
-from qat4.engine.memory import rope_nbytes
 from qat4.engine.model_runner import ModelRunner, capture_graph
 from qat4.engine.sequence import Sequence
-from qat4.engine.speculation import COST_DEPTH, SPEC_MAX_BATCH
+from qat4.engine.speculation import COST_DEPTH
 from qat4.engine.tuning import best_seconds, replay_us
-
-GRAPHS_NBYTES = 16 << 20  # what its captured graphs keep beside their activations (attention partials)
-
-
-def drafter_nbytes(checkpoint: AssistantCheckpoint, target: Gemma4Config, dtype: torch.dtype, max_ctx: int) -> int:
-    """Device bytes the drafter takes beside ``target``: its weights in ``dtype``, its RoPE tables
-    unless it shares the target's, and its working memory: for SPEC_MAX_BATCH sequences the output
-    rows of its candidates, gathered, with their logits and headroom as much again."""
-    cfg = checkpoint.config
-    item = torch.empty((), dtype=dtype).element_size()
-    rope = 0 if cfg.shares_rope(target) else rope_nbytes(cfg.text, max_ctx, dtype)
-    candidates = cfg.centroid_top_k * cfg.tokens_per_centroid if cfg.use_ordered_embeddings else cfg.text.vocab_size
-    working = 2 * SPEC_MAX_BATCH * candidates * (cfg.text.hidden_size + 1) * item
-    return checkpoint.nbytes(dtype) + rope + working + GRAPHS_NBYTES
-
 
 class MTPDrafter:
     """Drafts of ``assistant`` for the decoding sequences of ``runner``'s engine (module docstring).

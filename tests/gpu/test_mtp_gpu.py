@@ -50,7 +50,7 @@ def prompts(n, seed, length=60):
 def test_the_bf16_draft_step_agrees_with_transformers_fp32_on_the_same_inputs(spec, drafter_dir, n):
     hf = Gemma4AssistantForCausalLM.from_pretrained(drafter_dir, dtype=torch.float32).cuda().eval()
     hf.config.get_text_config()._attn_implementation = "eager"
-    engine, drafter = spec, spec.speculator.drafter.assistant
+    engine, drafter = spec, spec.assistant
     ids = prompts(1, n, n - 1)[0]
     seq = Sequence(ids, SamplingParams(temperature=0), 0, 1, frozenset())
     seq.slot = engine.pool.open_slot()
