@@ -15,6 +15,8 @@ COMMANDS = [
     "synth",
     "generate",
     "serve",
+    "status",
+    "stop",
     "ask",
     "bench",
     "repack",

@@ -1,20 +1,22 @@
-"""A `qat4 serve` child process for `qat4 bench serve`.
+"""`qat4 serve` child processes: their command line, the wait until they answer, their stop.
 
-The server starts on a free loopback port with its output going to a temporary file; it counts as
-ready once `GET /health` answers 200. However the benchmark ends (done, an error, Ctrl-C), the
-child is asked to stop (SIGTERM, which qat4 serve answers by ending its open replies within 5 s)
-and killed if it is still there after a grace period.
+A server counts as ready once `GET /health` answers 200. It is stopped with SIGTERM, which qat4
+serve answers by ending its open replies within 5 s, and killed if it is still there after a
+grace period. `qat4 bench serve` runs one for the length of a benchmark (`ServerProcess`);
+`qat4 serve --detach` (qat4.server_control) starts one that outlives it.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import IO, Protocol
 
 import httpx
 
@@ -23,6 +25,7 @@ from qat4.errors import Qat4Error
 HOST = "127.0.0.1"
 STARTUP_TIMEOUT_S = 600.0  # a Hub checkpoint may download first
 STOP_GRACE_S = 15.0
+KILL_WAIT_S = 10.0  # how long a SIGKILLed process may take to go
 POLL_INTERVAL_S = 0.2
 OUTPUT_TAIL_CHARS = 3000
 
@@ -34,16 +37,71 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def serve_command(model: str, port: int, *, device: str | None = None, max_queue: int | None = None,
-                  extra_args: Sequence[str] = ()) -> list[str]:
+def serve_command(model: str, port: int, *, host: str = HOST, device: str | None = None, max_queue: int | None = None,
+                  log_level: str = "warning", extra_args: Sequence[str] = ()) -> list[str]:
     """The `python -m qat4.cli serve` command line; `extra_args` come last, so they win over ours."""
-    cmd = [sys.executable, "-m", "qat4.cli", "serve", "--model", model, "--host", HOST, "--port", str(port),
-           "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "qat4.cli", "serve", "--model", model, "--host", host, "--port", str(port),
+           "--log-level", log_level]
     if device is not None:
         cmd += ["--device", device]
     if max_queue is not None:
         cmd += ["--max-queue", str(max_queue)]
     return cmd + list(extra_args)
+
+
+def output_tail(output: IO[bytes], start: int = 0) -> str:
+    """The last few thousand characters of a binary file from byte `start` on, or '(nothing)'."""
+    output.seek(0, os.SEEK_END)
+    output.seek(max(start, output.tell() - OUTPUT_TAIL_CHARS))
+    return output.read().decode(errors="replace").rstrip() or "(nothing)"
+
+
+def wait_for_health(url: str, exit_code: Callable[[], int | None], last_output: Callable[[], str],
+                    timeout_s: float) -> None:
+    """Return once `url/health` answers 200; raise Qat4Error with the server's `last_output()` if
+    `exit_code()` says it exited first, or if `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        code = exit_code()
+        if code is not None:
+            raise Qat4Error(f"the server exited with status {code} before {url}/health answered; "
+                            f"its last output:\n{last_output()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise Qat4Error(f"the server did not answer {url}/health within {timeout_s:g} s; "
+                            f"its last output:\n{last_output()}")
+        time.sleep(POLL_INTERVAL_S)
+
+
+class Stoppable(Protocol):
+    """What terminate_then_kill needs of a process: subprocess.Popen has it."""
+
+    pid: int
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int | None: ...
+
+
+def terminate_then_kill(process: Stoppable, grace_s: float) -> bool:
+    """SIGTERM, then SIGKILL if the process is still there after `grace_s`; returns once it is
+    gone, True when it ended on SIGTERM. A `wait` that runs out raises subprocess.TimeoutExpired."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(grace_s)
+        return True
+    except subprocess.TimeoutExpired:
+        pass
+    process.send_signal(signal.SIGKILL)
+    try:
+        process.wait(KILL_WAIT_S)
+    except subprocess.TimeoutExpired:
+        raise Qat4Error(f"pid {process.pid} is still there {KILL_WAIT_S:g} s after SIGKILL") from None
+    return False
 
 
 class ServerProcess:
@@ -67,7 +125,7 @@ class ServerProcess:
         self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self._output,
                                         stderr=subprocess.STDOUT, env=self.env)
         try:
-            self._wait_until_ready()
+            wait_for_health(self.url, self.process.poll, self.output_tail, self.startup_timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -76,40 +134,15 @@ class ServerProcess:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _wait_until_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            code = self.process.poll()
-            if code is not None:
-                raise Qat4Error(f"the server exited with status {code} before {self.url}/health answered; "
-                                f"its last output:\n{self.output_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise Qat4Error(f"the server did not answer {self.url}/health within {self.startup_timeout_s:g} s; "
-                                f"its last output:\n{self.output_tail()}")
-            time.sleep(POLL_INTERVAL_S)
-
     def output_tail(self) -> str:
         """The last few thousand characters the child wrote (stdout and stderr together)."""
         if self._output is None or self._output.closed:
             return ""
-        self._output.seek(0, os.SEEK_END)
-        size = self._output.tell()
-        self._output.seek(max(0, size - OUTPUT_TAIL_CHARS))
-        return self._output.read().decode(errors="replace").rstrip() or "(nothing)"
+        return output_tail(self._output)
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after `stop_grace_s`; waits until the child is gone."""
         if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(self.stop_grace_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            terminate_then_kill(self.process, self.stop_grace_s)
         if self._output is not None:
             self._output.close()

@@ -15,6 +15,7 @@ import time
 import types
 from collections.abc import Callable
 
+import torch
 import uvicorn
 
 from qat4.checkpoint.synth import synthetic_model
@@ -46,7 +47,7 @@ class ScriptedEngine:
     """Replays `reply` (text with special tokens) as token ids, `delay` seconds per step.
 
     It has the surface the server uses from `qat4.engine.Engine` (tokenizer, config, stop_token_ids, max_ctx,
-    encode, check_request, add_request, step, abort, has_work, scheduler.running/waiting,
+    device, encode, check_request, add_request, step, abort, has_work, scheduler.running/waiting,
     pool.usage, pool.cached_blocks) and batches like it: up to `max_num_seqs` sequences run, the rest wait. After the
     scripted ids a sequence keeps producing `filler` until max_new_tokens, unless the reply ended
     in a stop token. Every prompt that starts running is kept in `prompts`; `produced` counts the
@@ -59,6 +60,7 @@ class ScriptedEngine:
         self.config = PRESETS["tiny"]
         self.stop_token_ids = self.config.eos_token_id
         self.max_ctx, self.max_num_seqs = max_ctx, max_num_seqs
+        self.device = torch.device("cpu")
         self.reply, self.delay, self.error, self.step_error = reply, delay, None, None
         self.filler = self.tokenizer.encode(" more")[-1]
         self.prompts: list[list[int]] = []

@@ -1,4 +1,6 @@
-"""`qat4 serve`: the OpenAI-compatible HTTP server and web chat page (README, "Server")."""
+"""`qat4 serve`: the OpenAI-compatible HTTP server and web chat page (README, "Server"); with
+--detach, the same server in the background (qat4.server_control; README, "Running it in the
+background")."""
 
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ from pathlib import Path
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from qat4 import server_control as control
 from qat4.commands.model_args import add_model_arguments, add_speculative_arguments, load_engine, resolve_device, \
     speculative_options
 from qat4.errors import Qat4Error
+from qat4.serve_process import STARTUP_TIMEOUT_S, serve_command
 from qat4.server.limits import CHARS_PER_CONTEXT_TOKEN, DEFAULT_MAX_MESSAGES, DEFAULT_MAX_TOOLS, RequestLimits
 
 DEFAULT_PORT = 8100
@@ -22,6 +26,10 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_MAX_QUEUE = 256
 HEADER_TIMEOUT_S = 10.0  # a request's line and headers must arrive within this long
 SHUTDOWN_GRACE_S = 5  # on Ctrl-C, answers still streaming after this long are cut (and their generation cancelled)
+DETACH_OPTIONS = ("pid_file", "log_file", "startup_timeout")  # the flags that go with --detach
+# Not passed on to the detached server as flags: serve_command sets these, and the API key goes in its
+# environment, where no process list or pid file shows it.
+SET_APART = ("detach", *DETACH_OPTIONS, "model", "host", "port", "device", "log_level", "api_key")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -61,6 +69,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-name", default=None, metavar="NAME", help="model id reported by /v1/models (default: derived from --model)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn log level (default: info)")
+    p.add_argument("--detach", action="store_true",
+                   help="run the server in the background: return once /health answers, leaving a pid file; "
+                        "`qat4 status` and `qat4 stop` find it")
+    p.add_argument("--pid-file", default=None, metavar="PATH",
+                   help="with --detach: the pid file (default: serve-PORT.pid in $QAT4_STATE_DIR, else "
+                        "$XDG_STATE_HOME/qat4, else ~/.local/state/qat4)")
+    p.add_argument("--log-file", default=None, metavar="PATH",
+                   help="with --detach: the file the server's output is appended to (default: serve-PORT.log "
+                        "beside the pid file's default)")
+    p.add_argument("--startup-timeout", type=float, default=None, metavar="S",
+                   help=f"with --detach: give up when /health has not answered after S seconds "
+                        f"(default: {STARTUP_TIMEOUT_S:g}; a Hub checkpoint may download first)")
     p.set_defaults(run=run)
 
 
@@ -128,22 +148,78 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run(args: argparse.Namespace) -> int:
-    from qat4.engine.tuning import pinned_tilings_note
-    from qat4.server.app import create_app
-
+def _check_arguments(args: argparse.Namespace) -> tuple[str, dict]:
+    """Refuse bad flags before anything loads or starts; returns the device and the speculative options."""
     if args.max_queue < 0:
         raise Qat4Error(f"--max-queue must be >= 0, got {args.max_queue}")
     for flag in ("max_messages", "max_tools", "max_prompt_chars"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise Qat4Error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    device = resolve_device(args.device)
+    if not args.detach and any(getattr(args, flag) is not None for flag in DETACH_OPTIONS):
+        raise Qat4Error("--pid-file, --log-file and --startup-timeout go with --detach")
+    if args.startup_timeout is not None and args.startup_timeout <= 0:
+        raise Qat4Error(f"--startup-timeout must be more than 0 seconds, got {args.startup_timeout:g}")
+    if not 0 < args.port < 65536:
+        raise Qat4Error(f"--port must be 1 to 65535, got {args.port}")
+    return resolve_device(args.device), speculative_options(args)
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    """A fresh `qat4 serve` parser, for its flags and their defaults."""
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    return sub.choices["serve"]
+
+
+def _forwarded_flags(args: argparse.Namespace) -> list[str]:
+    """The flags of `args` that differ from their defaults, as `--flag=value` words, less those in SET_APART."""
+    flags = []
+    for action in _serve_parser()._actions:
+        value = getattr(args, action.dest, action.default)
+        if not action.option_strings or action.dest in SET_APART or value == action.default:
+            continue
+        option = max(action.option_strings, key=len)
+        flags.append(option if action.nargs == 0 else f"{option}={value}")
+    return flags
+
+
+def _run_detached(args: argparse.Namespace) -> int:
+    """Start the server in the background (qat4.server_control) and report where it runs."""
+    pid_path = Path(args.pid_file).absolute() if args.pid_file else control.default_pid_file(args.port)
+    log_path = Path(args.log_file).absolute() if args.log_file else control.default_log_file(args.port)
+    running, note = control.live_pid_file(pid_path)
+    if note:
+        print(f"qat4 serve: {note}", file=sys.stderr)
+    if control.port_in_use(args.host, args.port):
+        raise Qat4Error(f"{args.host}:{args.port} is in use (by {control.port_holder(args.host, args.port)}); "
+                        "stop it first or pick --port")
+    if running is not None:
+        raise Qat4Error(f"pid file {pid_path} names qat4 serve pid {running.pid}, which is running and not yet "
+                        f"listening on port {args.port}; stop it first (qat4 stop --pid-file {pid_path}) "
+                        "or pick --port")
+    command = serve_command(args.model, args.port, host=args.host, device=args.device, log_level=args.log_level,
+                            extra_args=_forwarded_flags(args))
+    env = {**os.environ, "QAT4_API_KEY": args.api_key} if args.api_key else dict(os.environ)
+    record = control.start_detached(command, env=env, host=args.host, port=args.port, model=args.model,
+                                    pid_path=pid_path, log_path=log_path,
+                                    startup_timeout_s=args.startup_timeout or STARTUP_TIMEOUT_S)
+    print(f"qat4 serve: running as pid {record.pid} on {record.url}/ (log: {log_path}, pid file: {pid_path})")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from qat4.engine.tuning import pinned_tilings_note
+    from qat4.server.app import create_app
+
+    device, speculative = _check_arguments(args)
     if args.host not in LOOPBACK_HOSTS and not args.api_key:
         print(f"qat4 serve: warning: listening on {args.host} without --api-key; anyone who can reach it can use it",
               file=sys.stderr)
+    if args.detach:
+        return _run_detached(args)
     engine = load_engine("serve", args.model, device, max_ctx=args.max_ctx, memory_cap_mib=args.memory_cap_mib,
                          max_num_seqs=args.max_num_seqs, kv_tokens=args.kv_tokens, prompt_cache_mib=args.prompt_cache_mib,
-                         **speculative_options(args))
+                         **speculative)
     limits = RequestLimits.for_context(engine.max_ctx, max_messages=args.max_messages, max_tools=args.max_tools,
                                        max_prompt_chars=args.max_prompt_chars)
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]

@@ -31,6 +31,7 @@ from qat4.server.errors import APIError, bad_request
 from qat4.server.generation import EngineLoop, Generation
 from qat4.server.limits import RequestLimits
 from qat4.server.metrics import Metrics
+from qat4.server.process_info import ProcessInfo
 from qat4.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Model,
                                  TokenizeRequest, parse_body)
 
@@ -197,6 +198,7 @@ def create_app(engine: Any, *, api_key: str | None = None, max_queue: int = 64,
     loop = EngineLoop(engine, engine.stop_token_ids, max_queue, metrics)
     completions = Completions(engine, loop, model_name, limits or RequestLimits.for_context(engine.max_ctx))
     tokenizer = engine.tokenizer
+    process = ProcessInfo(engine.device)
     page = resources.files("qat4.server").joinpath("static/index.html").read_text(encoding="utf-8")
 
     @asynccontextmanager
@@ -226,11 +228,13 @@ def create_app(engine: Any, *, api_key: str | None = None, max_queue: int = 64,
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
+        about = {**process.identity(), "max_ctx": engine.max_ctx, "max_num_seqs": engine.max_num_seqs}
         if loop.failure is not None:
-            return JSONResponse({"status": "error", "model": model_name, "error": str(loop.failure)}, status_code=503)
+            return JSONResponse({"status": "error", "model": model_name, "error": str(loop.failure), **about},
+                                status_code=503)
         return JSONResponse({"status": "ok", "model": model_name, "queue_depth": loop.waiting(),
                              "running": len(engine.scheduler.running), "busy": bool(engine.scheduler.running),
-                             "kv_pool_usage": engine.pool.usage()})
+                             "kv_pool_usage": engine.pool.usage(), **about, "memory": process.memory()})
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
