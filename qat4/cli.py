@@ -21,6 +21,7 @@ COMMANDS = [
     "bench",
     "repack",
     "verify",
+    "doctor",
 ]
 
 

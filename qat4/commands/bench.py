@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from qat4.commands.model_args import DEVICES, add_speculative_arguments, resolve_device, speculative_options
+from qat4.config import PRESETS, Gemma4Config
 from qat4.errors import Qat4Error
 
 SYNTHETIC = "synthetic:"
@@ -176,18 +177,22 @@ def _int_list(text: str, flag: str, minimum: int, what: str) -> list[int]:
     return values
 
 
+def synthetic_config(model: str) -> Gemma4Config:
+    """The preset config of a `synthetic:PRESET` --model; an unknown preset is a Qat4Error."""
+    preset = model[len(SYNTHETIC):]
+    if preset not in PRESETS:
+        raise Qat4Error(f"--model {model}: unknown synthetic preset; use one of {', '.join(SYNTHETIC + p for p in PRESETS)}")
+    return PRESETS[preset]
+
+
 def load_packed_for_bench(model: str, device, seed: int):
     """A PackedModel in host memory: synthetic (made on `device`, then moved) or read from disk."""
     import torch
 
     if model.startswith(SYNTHETIC):
         from qat4.checkpoint.synth import synthetic_model
-        from qat4.config import PRESETS
 
-        preset = model[len(SYNTHETIC):]
-        if preset not in PRESETS:
-            raise Qat4Error(f"--model {model}: unknown synthetic preset; use one of {', '.join(SYNTHETIC + p for p in PRESETS)}")
-        packed = synthetic_model(PRESETS[preset], seed, device)
+        packed = synthetic_model(synthetic_config(model), seed, device)
         packed.tensors = {n: t.to("cpu") for n, t in packed.tensors.items()}
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -54,6 +54,11 @@ def graph_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+def uses_graphs(cuda_graph: bool, device: torch.device) -> bool:
+    """Whether decode steps replay CUDA graphs: asked for (EngineConfig.cuda_graph) and on a CUDA device."""
+    return cuda_graph and device.type == "cuda"
+
+
 def capture_graph(run: Callable[[], None], device: torch.device, pool=None) -> torch.cuda.CUDAGraph:
     """A CUDA graph of ``run`` (in memory pool ``pool``, when given): two eager runs on a side
     stream first, which compile and tune its kernels, then the capture."""
@@ -103,7 +108,7 @@ class ModelRunner:
         self.model, self.pool, self.device = model, pool, dev
         self.max_num_seqs, self.max_ctx = max_num_seqs, pool.max_ctx
         rows = max(max_num_seqs, max_rows)  # decode rows of one step: sequences times (1 + drafts)
-        self.use_graph = use_graph and dev.type == "cuda"
+        self.use_graph = uses_graphs(use_graph, dev)
         self.vocab_size = model.config.vocab_size
         slots = max_num_seqs + 1  # the last is the scratch row
         self.last_token = torch.zeros(slots, dtype=torch.int64, device=dev)
