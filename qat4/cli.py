@@ -22,6 +22,7 @@ COMMANDS = [
     "repack",
     "verify",
     "doctor",
+    "mcp",
 ]
 
 

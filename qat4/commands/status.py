@@ -148,18 +148,18 @@ def server_status(*, url: str | None = None, port: int | None = None, pid_file: 
     Qat4Error."""
     pid_path = _pid_path(url, port, pid_file)
     record, note = live_pid_file(pid_path) if pid_path else (None, None)
-    url = _url(url, port, record)
-    response = fetch_health(url)
+    address = _url(url, port, record)
+    response = fetch_health(address)
     if response is None:
-        return Status({"url": url, "status": "starting" if record else "unreachable",
-                       "error": _silence(url, pid_path, record, note), "pid": record.pid if record else None,
+        return Status({"url": address, "status": "starting" if record else "unreachable",
+                       "error": _silence(address, pid_path, record, note), "pid": record.pid if record else None,
                        "pid_file": str(pid_path) if pid_path else None}, answered=False, healthy=False)
     body = health_body(response)
     if body is None:
-        raise Qat4Error(f"{url} answers, but not as a qat4 server (GET /health: {response.status_code})")
+        raise Qat4Error(f"{address} answers, but not as a qat4 server (GET /health: {response.status_code})")
     if note is not None:
         print(f"qat4 status: {note}", file=sys.stderr)
-    return Status(_report(url, body, pid_path, record), answered=True, healthy=response.status_code == 200)
+    return Status(_report(address, body, pid_path, record), answered=True, healthy=response.status_code == 200)
 
 
 def run(args: argparse.Namespace) -> int:
