@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from qat4.checkpoint.assistant import ORDERING, AssistantCheckpoint
 from qat4.model import Gemma4, Pages, rope_table
 from qat4.ops.attention import PagedSeqs, paged_attention
-from qat4.ops.norms import qk_norm_rope, residual_rms_norm, rms_norm
+from qat4.ops.norms import residual_rms_norm, rms_norm
+from qat4.ops.qkv_prep import qk_norm_rope
 
 
 @dataclass

@@ -43,7 +43,7 @@ from qat4.errors import Qat4Error
 from qat4.ops import use_triton
 from qat4.ops._triton import TRITON_VERSION
 from qat4.ops.pdl import pdl_launch
-from qat4.ops.w4_linear import _has_tensor_cores, prefill_uses_fp32
+from qat4.ops.w4.gemm import has_tensor_cores, prefill_uses_fp32
 
 STATUSES = ("ok", "warn", "fail")  # fine; runs, but read this; blocks running
 GIB = 1 << 30
@@ -217,7 +217,7 @@ def describe_gpu(gpu: torch.device) -> str:
     free, total = torch.cuda.mem_get_info(gpu)
     count = torch.cuda.device_count()
     which = f" (device {gpu.index} of {count}; qat4 runs on one)" if count > 1 else ""
-    cores = "tensor cores" if _has_tensor_cores(gpu, torch.float16) else "no tensor cores"
+    cores = "tensor cores" if has_tensor_cores(gpu, torch.float16) else "no tensor cores"
     return (f"{torch.cuda.get_device_name(gpu)}{which}, sm_{major}{minor}, {total / MIB:,.0f} MiB "
             f"({free / MIB:,.0f} MiB free), {cores}")
 

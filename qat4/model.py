@@ -23,10 +23,11 @@ from qat4.checkpoint.packing import PackedTensor
 from qat4.config import Gemma4Config
 from qat4.errors import Qat4Error
 from qat4.ops.attention import PagedSeqs, paged_attention
-from qat4.ops.norms import qk_norm_rope, qk_norm_rope_store, rms_norm, rope_cos_sin_cache, rope_inv_freq
-from qat4.ops.w4_embedding import w4_embedding
-from qat4.ops.w4 import w4_argmax, w4_linear, w4_linear_gelu, w4_linear_residual, w4_logits
-from qat4.ops.w4_linear import ResidualStep
+from qat4.ops.norms import rms_norm
+from qat4.ops.qkv_prep import qk_norm_rope, qk_norm_rope_store, rope_cos_sin_cache, rope_inv_freq
+from qat4.ops.w4.dispatch import w4_argmax, w4_linear, w4_linear_gelu, w4_linear_residual, w4_logits
+from qat4.ops.w4.embedding import w4_embedding
+from qat4.ops.w4.reference import ResidualStep
 
 class Pages(Protocol):
     """The KV pages a forward reads and writes (:class:`qat4.engine.kv_cache.KVPool`): K and V

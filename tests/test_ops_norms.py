@@ -1,12 +1,13 @@
-"""Norm / RoPE / GELU ops: references against transformers 5.17's Gemma 4 functions and naive
-formulas; Triton kernels against the references (CUDA, or the interpreter in a subprocess)."""
+"""Norm / RoPE / GELU ops (qat4.ops.norms, qat4.ops.qkv_prep): references against transformers
+5.17's Gemma 4 functions and naive formulas; Triton kernels against the references (CUDA, or the
+interpreter in a subprocess)."""
 
 import math
 
 import pytest
 import torch
 
-from qat4.ops import norms
+from qat4.ops import norms, qkv_prep
 from kernel_harness import KERNEL_DEVICE, kernel_test, run_interpreted
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -29,8 +30,8 @@ def hf_rotary(head_dim, global_head_dim):
 
 def our_inv_freq(layer_type, head_dim):
     if layer_type == "sliding_attention":
-        return norms.rope_inv_freq(head_dim, 10000.0)
-    return norms.rope_inv_freq(head_dim, 1e6, 0.25, proportional=True)
+        return qkv_prep.rope_inv_freq(head_dim, 10000.0)
+    return qkv_prep.rope_inv_freq(head_dim, 1e6, 0.25, proportional=True)
 
 
 def full_cos_sin(cache, positions, head_dim):
@@ -55,18 +56,18 @@ def test_inv_freq_matches_transformers(head_dim, global_head_dim):
 
 
 def test_e2b_proportional_rope_rotates_dims_0_63_and_256_319_only():
-    inv = norms.rope_inv_freq(512, 1e6, 0.25, proportional=True)
+    inv = qkv_prep.rope_inv_freq(512, 1e6, 0.25, proportional=True)
     assert inv.shape == (256,) and bool((inv[:64] > 0).all()) and bool((inv[64:] == 0).all())
     assert inv[1].item() == pytest.approx(1e6 ** (-2 / 512))
-    cache = norms.rope_cos_sin_cache(inv, 1000)
+    cache = qkv_prep.rope_cos_sin_cache(inv, 1000)
     assert cache.shape == (1000, 128)
     x = torch.randn(1, 1, 512)
-    y = norms.rope_reference(x, torch.tensor([777]), cache)
+    y = qkv_prep.rope_reference(x, torch.tensor([777]), cache)
     moved = (y != x)[0, 0]
     assert bool(moved[:64].all()) and bool(moved[256:320].all())
     assert not bool(moved[64:256].any()) and not bool(moved[320:].any())
     with pytest.raises(ValueError):
-        norms.rope_inv_freq(256, 1e4, 0.25)
+        qkv_prep.rope_inv_freq(256, 1e4, 0.25)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -79,11 +80,11 @@ def test_cos_sin_and_rope_match_transformers_exactly(dtype, layer_type):
     positions = torch.tensor([0, 1, 7, 300, 4095])
     x = torch.randn(len(positions), 3, dim).to(dtype)
     hf_cos, hf_sin = rotary(x, positions[None], layer_type)
-    cache = norms.rope_cos_sin_cache(our_inv_freq(layer_type, dim), 4096, dtype)
+    cache = qkv_prep.rope_cos_sin_cache(our_inv_freq(layer_type, dim), 4096, dtype)
     cos, sin = full_cos_sin(cache, positions, dim)
     assert torch.equal(cos, hf_cos[0]) and torch.equal(sin, hf_sin[0])
     expected = apply_rotary_pos_emb(x, hf_cos[0], hf_sin[0], unsqueeze_dim=1)
-    assert torch.equal(norms.rope_reference(x, positions, cache), expected)
+    assert torch.equal(qkv_prep.rope_reference(x, positions, cache), expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -149,13 +150,13 @@ def test_qk_norm_rope_matches_transformers_attention_prologue(dtype):
             apply_rotary_pos_emb(k_norm(k), cos[0], sin[0], unsqueeze_dim=1),
             v_norm(v),
         )
-    cache = norms.rope_cos_sin_cache(our_inv_freq("full_attention", D), 128, dtype)
-    out = norms.qk_norm_rope_reference(
+    cache = qkv_prep.rope_cos_sin_cache(our_inv_freq("full_attention", D), 128, dtype)
+    out = qkv_prep.qk_norm_rope_reference(
         q, k, v, positions, cache, q_norm.weight.detach(), k_norm.weight.detach()
     )
     for a, b in zip(out, expected):
         assert torch.equal(a, b)
-    shared = norms.qk_norm_rope_reference(q, None, None, positions, cache, q_norm.weight.detach(), None)
+    shared = qkv_prep.qk_norm_rope_reference(q, None, None, positions, cache, q_norm.weight.detach(), None)
     assert torch.equal(shared[0], expected[0]) and shared[1] is None and shared[2] is None
 
 
@@ -178,12 +179,12 @@ def test_qk_norm_rope_store_writes_each_token_at_its_row():
     T, H, D = 3, 8, 32
     q, k, v = torch.randn(T, H, D), torch.randn(T, 1, D), torch.randn(T, 1, D)
     positions = torch.tensor([5, 6, 7])
-    cache = norms.rope_cos_sin_cache(our_inv_freq("sliding_attention", D), 16)
+    cache = qkv_prep.rope_cos_sin_cache(our_inv_freq("sliding_attention", D), 16)
     qw, kw = torch.rand(D) * 3, torch.rand(D) * 3
     k_cache, v_cache = torch.zeros(16, D), torch.zeros(16, D)
     rows = torch.tensor([9, 2, 14])
-    q_out = norms.qk_norm_rope_store_reference(q, k, v, positions, cache, qw, kw, k_cache, v_cache, rows)
-    eq, ek, ev = norms.qk_norm_rope_reference(q, k, v, positions, cache, qw, kw)
+    q_out = qkv_prep.qk_norm_rope_store_reference(q, k, v, positions, cache, qw, kw, k_cache, v_cache, rows)
+    eq, ek, ev = qkv_prep.qk_norm_rope_reference(q, k, v, positions, cache, qw, kw)
     assert torch.equal(q_out, eq) and torch.equal(k_cache[rows], ek[:, 0]) and torch.equal(v_cache[rows], ev[:, 0])
     assert int((k_cache.abs().sum(-1) > 0).sum()) == T
 
@@ -235,19 +236,19 @@ def test_kernel_rms_norm(dtype):
 @pytest.mark.parametrize("layer_type,dim", [("sliding_attention", 32), ("full_attention", 64)])
 def test_kernel_rope_and_qk_norm_rope(dtype, layer_type, dim):
     T, H = 5, 8
-    cache = norms.rope_cos_sin_cache(our_inv_freq(layer_type, dim), 512, dtype).to(KERNEL_DEVICE)
+    cache = qkv_prep.rope_cos_sin_cache(our_inv_freq(layer_type, dim), 512, dtype).to(KERNEL_DEVICE)
     positions = torch.tensor([0, 3, 4, 200, 511], device=KERNEL_DEVICE)
     qkv = rand(T, (H + 2) * dim, dtype=dtype, scale=2)  # fused projection output: strided views
     q = qkv[:, : H * dim].view(T, H, dim)
     k = qkv[:, H * dim : (H + 1) * dim].view(T, 1, dim)
     v = qkv[:, (H + 1) * dim :].view(T, 1, dim)
     qw, kw = rand(dim, dtype=dtype, scale=4), rand(dim, dtype=dtype, scale=4)
-    assert_kernel_close(norms.rope_triton(q, positions, cache), norms.rope_reference(q, positions, cache))
-    out = norms.qk_norm_rope_triton(q, k, v, positions, cache, qw, kw)
-    for a, b in zip(out, norms.qk_norm_rope_reference(q, k, v, positions, cache, qw, kw)):
+    assert_kernel_close(qkv_prep.rope_triton(q, positions, cache), qkv_prep.rope_reference(q, positions, cache))
+    out = qkv_prep.qk_norm_rope_triton(q, k, v, positions, cache, qw, kw)
+    for a, b in zip(out, qkv_prep.qk_norm_rope_reference(q, k, v, positions, cache, qw, kw)):
         assert a.shape == b.shape and a.is_contiguous()
         assert_kernel_close(a, b)
-    q_only = norms.qk_norm_rope_triton(q, None, None, positions, cache, qw, None)
+    q_only = qkv_prep.qk_norm_rope_triton(q, None, None, positions, cache, qw, None)
     assert_kernel_close(q_only[0], out[0])
     assert q_only[1] is None and q_only[2] is None
 
@@ -269,14 +270,14 @@ def test_kernel_residual_rms_norm(dtype):
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_kernel_qk_norm_rope_store(dtype):
     T, H, dim = 2, 8, 32
-    table = norms.rope_cos_sin_cache(our_inv_freq("sliding_attention", dim), 64, dtype).to(KERNEL_DEVICE)
+    table = qkv_prep.rope_cos_sin_cache(our_inv_freq("sliding_attention", dim), 64, dtype).to(KERNEL_DEVICE)
     positions = torch.tensor([13, 14], device=KERNEL_DEVICE)
     rows = torch.tensor([40, 3], device=KERNEL_DEVICE)
     qkv = rand(T, (H + 2) * dim, dtype=dtype, scale=2)
     q, k, v = qkv[:, : H * dim].view(T, H, dim), qkv[:, H * dim : (H + 1) * dim].view(T, 1, dim), qkv[:, (H + 1) * dim :].view(T, 1, dim)
     qw, kw = rand(dim, dtype=dtype, scale=4), rand(dim, dtype=dtype, scale=4)
     caches = []
-    for fn in (norms.qk_norm_rope_store_triton, norms.qk_norm_rope_store_reference):
+    for fn in (qkv_prep.qk_norm_rope_store_triton, qkv_prep.qk_norm_rope_store_reference):
         kc, vc = (torch.full((64, dim), float("nan"), dtype=dtype, device=KERNEL_DEVICE) for _ in range(2))
         caches.append((fn(q, k, v, positions, table, qw, kw, kc, vc, rows), kc, vc))
     (q1, k1, v1), (q2, k2, v2) = caches

@@ -3,7 +3,7 @@ Triton kernels against the references.
 
 The kernel tests (named test_kernel_*) run on CUDA when present, else under the Triton
 interpreter: a plain `pytest` runs them in a subprocess with TRITON_INTERPRET=1, because Triton
-reads that variable when a kernel is defined, i.e. when qat4.ops.w4_linear is first imported,
+reads that variable when a kernel is defined, i.e. when the qat4.ops.w4 modules are first imported,
 and setting it in this process would also turn every kernel of later test modules into an
 interpreted one. The interpreter mishandles bf16 arithmetic (it truncates fp32 -> bf16 and cannot
 run bf16 tl.dot), so there bf16 appears as scales and inputs, and bf16 outputs get a wider
@@ -17,8 +17,12 @@ from kernel_harness import INTERPRETED, KERNEL_DEVICE, kernel_test, run_interpre
 
 from qat4.checkpoint import packing
 from qat4.errors import Qat4Error
-from qat4.ops import w4_embedding as we
-from qat4.ops import w4_linear as wl
+from qat4.ops.w4 import embedding as we
+from qat4.ops.w4 import gemm as wm
+from qat4.ops.w4 import gemv as wv
+from qat4.ops.w4 import logits as wo
+from qat4.ops.w4 import reference as wr
+from qat4.ops.w4 import tiling as wt
 
 # relative Frobenius error allowed for an output of each dtype (fp32 accumulation everywhere)
 OUT_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3 if INTERPRETED else 4e-3}
@@ -52,7 +56,7 @@ def rel_err(actual, expected):
 def test_linear_reference_matches_dense(m, n, k):
     levels, steps, packed, scales = random_weight(n, k, seed=m)
     x = torch.randn(m, k)
-    out = wl.w4_linear_reference(x, packed, scales)
+    out = wr.w4_linear_reference(x, packed, scales)
     assert out.shape == (m, n) and out.dtype == x.dtype
     assert rel_err(out, x.double() @ dense(levels, steps).T) < 1e-6
 
@@ -60,9 +64,9 @@ def test_linear_reference_matches_dense(m, n, k):
 def test_linear_reference_keeps_x_dtype():
     _, _, packed, scales = random_weight(16, 64)
     x = torch.randn(2, 64).to(torch.bfloat16)
-    out = wl.w4_linear_reference(x, packed, scales)
+    out = wr.w4_linear_reference(x, packed, scales)
     assert out.dtype == torch.bfloat16
-    assert torch.equal(out, wl.w4_linear_reference(x.float(), packed, scales).to(torch.bfloat16))
+    assert torch.equal(out, wr.w4_linear_reference(x.float(), packed, scales).to(torch.bfloat16))
 
 
 def test_reference_dequantises_a_large_table_in_chunks(monkeypatch):
@@ -72,10 +76,10 @@ def test_reference_dequantises_a_large_table_in_chunks(monkeypatch):
     scales = torch.full((n, k // 32), 0.01, dtype=torch.float16)
     largest = []
     real = packing.dequantize
-    monkeypatch.setattr(wl, "dequantize", lambda p, s: largest.append(p.shape[0] * k) or real(p, s))
+    monkeypatch.setattr(wr, "dequantize", lambda p, s: largest.append(p.shape[0] * k) or real(p, s))
     x = torch.randn(1, k)
-    logits = wl.w4_logits_reference(x, packed, scales)
-    assert logits.shape == (1, n) and max(largest) <= wl._REFERENCE_CHUNK
+    logits = wr.w4_logits_reference(x, packed, scales)
+    assert logits.shape == (1, n) and max(largest) <= wr._REFERENCE_CHUNK
     sample = torch.arange(0, n, 4099)
     expected = 30 * torch.tanh(x.double() @ real(packed[sample], scales[sample]).double().T / 30)
     assert rel_err(logits[:, sample], expected) < 1e-6
@@ -85,10 +89,10 @@ def test_logits_and_argmax_references():
     levels, steps, packed, scales = random_weight(50, 64)
     x = torch.randn(3, 64) * 40  # large enough that the softcap bends
     z = x.double() @ dense(levels, steps).T
-    logits = wl.w4_logits_reference(x, packed, scales, softcap=30.0)
+    logits = wr.w4_logits_reference(x, packed, scales, softcap=30.0)
     assert logits.dtype == torch.float32 and logits.abs().max() < 30
     assert rel_err(logits, 30 * torch.tanh(z / 30)) < 1e-6
-    assert torch.equal(wl.w4_argmax_reference(x, packed, scales), torch.argmax(z, dim=-1))
+    assert torch.equal(wr.w4_argmax_reference(x, packed, scales), torch.argmax(z, dim=-1))
 
 
 def test_embedding_reference_is_exact():
@@ -100,12 +104,12 @@ def test_embedding_reference_is_exact():
 
 
 def test_dispatch_follows_qat4_ops_and_the_rows(monkeypatch):
-    from qat4.ops import w4
+    from qat4.ops.w4 import dispatch as w4
 
     _, _, packed, scales = random_weight(24, 64)
     calls = []
     for name in ("w4_matvec", "w4_batch_linear", "w4_matmul"):
-        monkeypatch.setattr(w4, name, lambda x, p, s, name=name: calls.append(name) or wl.w4_linear_reference(x, p, s))
+        monkeypatch.setattr(w4, name, lambda x, p, s, name=name: calls.append(name) or wr.w4_linear_reference(x, p, s))
     x_small = torch.randn(2, 2, 64)  # leading dims are flattened
     for mode in ("auto", "reference"):
         monkeypatch.setenv("QAT4_OPS", mode)
@@ -122,16 +126,16 @@ def test_dispatch_follows_qat4_ops_and_the_rows(monkeypatch):
 def test_prefill_precision_choice(monkeypatch):
     x = torch.randn(64, 32, dtype=torch.bfloat16)
     monkeypatch.delenv("QAT4_PREFILL_FP32", raising=False)
-    assert not wl.prefill_uses_fp32(x) and wl.prefill_uses_fp32(x, fp32=True)
-    assert wl.prefill_uses_fp32(x.float())
+    assert not wm.prefill_uses_fp32(x) and wm.prefill_uses_fp32(x, fp32=True)
+    assert wm.prefill_uses_fp32(x.float())
     monkeypatch.setenv("QAT4_PREFILL_FP32", "1")
-    assert wl.prefill_uses_fp32(x) and not wl.prefill_uses_fp32(x, fp32=False)
+    assert wm.prefill_uses_fp32(x) and not wm.prefill_uses_fp32(x, fp32=False)
 
 
 def test_shape_mismatch_is_rejected():
     _, _, packed, scales = random_weight(8, 64)
     with pytest.raises(ValueError, match="K/8"):
-        wl.w4_linear_reference(torch.randn(1, 32), packed, scales)
+        wr.w4_linear_reference(torch.randn(1, 32), packed, scales)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,48 +170,48 @@ SPLIT_4_EMPTY = {"RR": 4, "TR": 8, "BLOCK_G": 1, "SPLIT_K": 4}  # G = 3: the las
 ])
 def test_kernel_matvec(m, n, k, x_dtype, scale_dtype, config):
     x, packed, scales = kernel_inputs(m, n, k, x_dtype, scale_dtype)
-    out = wl.w4_matvec(x, packed, scales, config=config)
+    out = wv.w4_matvec(x, packed, scales, config=config)
     assert out.shape == (m, n) and out.dtype == x_dtype
-    assert rel_err(out, wl.w4_linear_reference(x, packed, scales)) < OUT_TOL[x_dtype]
+    assert rel_err(out, wr.w4_linear_reference(x, packed, scales)) < OUT_TOL[x_dtype]
 
 
 @kernel_test
 def test_kernel_matvec_pinned_tiling_replaces_the_autotuners(monkeypatch):
     """A launch records the autotuner's pick per shape; a pinned tiling is launched instead."""
-    monkeypatch.setattr(wl, "_pinned_tilings", {})
-    monkeypatch.setattr(wl, "_launched_tilings", {})
+    monkeypatch.setattr(wt, "_pinned_tilings", {})
+    monkeypatch.setattr(wt, "_launched_tilings", {})
     x, packed, scales = kernel_inputs(1, 40, 512, torch.float32, torch.float16)
-    want = wl.w4_linear_reference(x, packed, scales)
-    assert rel_err(wl.w4_matvec(x, packed, scales), want) < OUT_TOL[torch.float32]
-    (key, picked), = wl.matvec_tilings().items()
+    want = wr.w4_linear_reference(x, packed, scales)
+    assert rel_err(wv.w4_matvec(x, packed, scales), want) < OUT_TOL[torch.float32]
+    (key, picked), = wt.matvec_tilings().items()
     assert key == (40, 16, 1, 0, False, "float32")
-    assert picked in wl.matvec_tiling_candidates(key, x.device)
+    assert picked in wt.matvec_tiling_candidates(key, x.device)
     pinned = dict(SPLIT_3, RR=4, TR=16)
     launched = []
-    real = wl._matvec_kernel
+    real = wv._matvec_kernel
 
     class Spy:
         def __getitem__(self, grid):
             launched.append(grid)
             return real[grid]
 
-    monkeypatch.setattr(wl, "_matvec_kernel", Spy())
-    wl.pin_matvec_tilings({key: pinned})
-    wl.forget_matvec_tilings()
-    assert wl.matvec_tilings() == {}
-    assert rel_err(wl.w4_matvec(x, packed, scales), want) < OUT_TOL[torch.float32]
+    monkeypatch.setattr(wv, "_matvec_kernel", Spy())
+    wt.pin_matvec_tilings({key: pinned})
+    wt.forget_matvec_tilings()
+    assert wt.matvec_tilings() == {}
+    assert rel_err(wv.w4_matvec(x, packed, scales), want) < OUT_TOL[torch.float32]
     assert launched == [(1, 3, 1)]  # 40 rows in one block of 64, three splits
-    assert wl.matvec_tilings() == {key: pinned}
+    assert wt.matvec_tilings() == {key: pinned}
 
 
 @kernel_test
 def test_kernel_matvec_writes_into_out_and_split_k_is_deterministic():
     x, packed, scales = kernel_inputs(2, 24, 512, torch.float32, torch.float16)
     out = torch.full((2, 24), float("nan"), device=KERNEL_DEVICE)
-    assert wl.w4_matvec(x, packed, scales, out, config=SPLIT_3) is out
-    again = wl.w4_matvec(x, packed, scales, config=SPLIT_3)
+    assert wv.w4_matvec(x, packed, scales, out, config=SPLIT_3) is out
+    again = wv.w4_matvec(x, packed, scales, config=SPLIT_3)
     assert torch.equal(out, again)
-    assert rel_err(out, wl.w4_linear_reference(x, packed, scales)) < OUT_TOL[torch.float32]
+    assert rel_err(out, wr.w4_linear_reference(x, packed, scales)) < OUT_TOL[torch.float32]
 
 
 @kernel_test
@@ -217,13 +221,13 @@ def test_kernel_matvec_gelu_gates_in_the_epilogue(m, config, x_dtype):
     """Alternating gate/up rows (the MLP) and a separate up tensor, a strided view (per-layer input)."""
     x, packed, scales = kernel_inputs(m, 48, 512, x_dtype, torch.float16)
     x = x * 4  # gates of a few units: both tails of the GELU
-    pairs = wl.w4_matvec_gelu(x, packed, scales, config=config)
+    pairs = wv.w4_matvec_gelu(x, packed, scales, config=config)
     assert pairs.shape == (m, 24) and pairs.dtype == x_dtype
-    assert rel_err(pairs, wl.w4_linear_gelu_reference(x, packed, scales)) < OUT_TOL[x_dtype]
+    assert rel_err(pairs, wr.w4_linear_gelu_reference(x, packed, scales)) < OUT_TOL[x_dtype]
     table = torch.randn(m, 3, 48, generator=torch.Generator().manual_seed(5)).to(KERNEL_DEVICE, x_dtype)
-    gated = wl.w4_matvec_gelu(x, packed, scales, table[:, 1], config=config)
+    gated = wv.w4_matvec_gelu(x, packed, scales, table[:, 1], config=config)
     assert gated.shape == (m, 48)
-    assert rel_err(gated, wl.w4_linear_gelu_reference(x, packed, scales, table[:, 1])) < OUT_TOL[x_dtype]
+    assert rel_err(gated, wr.w4_linear_gelu_reference(x, packed, scales, table[:, 1])) < OUT_TOL[x_dtype]
 
 
 @kernel_test
@@ -235,12 +239,12 @@ def test_kernel_matvec_residual_step_runs_in_the_last_program(m, config, scalar,
     x, packed, scales = kernel_inputs(m, 40, 512, torch.float32, torch.float16)
     g = torch.Generator().manual_seed(7)
     vec = lambda *shape: torch.randn(*shape, generator=g).to(KERNEL_DEVICE)  # noqa: E731
-    step = wl.ResidualStep(vec(m, 40), vec(40), vec(1) if scalar else None, vec(40) if next_norm else None, 1e-6)
-    h_out, x_next = wl.w4_matvec_residual(x, packed, scales, step, config=config)
-    want_h, want_x = wl.w4_linear_residual_reference(x, packed, scales, step)
+    step = wr.ResidualStep(vec(m, 40), vec(40), vec(1) if scalar else None, vec(40) if next_norm else None, 1e-6)
+    h_out, x_next = wv.w4_matvec_residual(x, packed, scales, step, config=config)
+    want_h, want_x = wr.w4_linear_residual_reference(x, packed, scales, step)
     assert rel_err(h_out, want_h) < 1e-5
     assert (x_next is None) == (want_x is None) and (x_next is None or rel_err(x_next, want_x) < 1e-5)
-    again, _ = wl.w4_matvec_residual(x, packed, scales, step, config=config)
+    again, _ = wv.w4_matvec_residual(x, packed, scales, step, config=config)
     assert torch.equal(again, h_out)
 
 
@@ -251,12 +255,12 @@ def test_kernel_matmul_gelu_gates_in_the_epilogue(x_dtype):
     x = x * 4
     config = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_G": 1}
     tol = 2 * OUT_TOL[x_dtype]
-    pairs = wl.w4_matmul(x, packed, scales, gelu=True, config=config)
+    pairs = wm.w4_matmul(x, packed, scales, gelu=True, config=config)
     assert pairs.shape == (40, 24)
-    assert rel_err(pairs, wl.w4_linear_gelu_reference(x, packed, scales)) < tol
+    assert rel_err(pairs, wr.w4_linear_gelu_reference(x, packed, scales)) < tol
     up = torch.randn(40, 2, 48, generator=torch.Generator().manual_seed(3)).to(KERNEL_DEVICE, x_dtype)[:, 0]
-    gated = wl.w4_matmul(x, packed, scales, gelu=True, up=up, config=config)
-    assert rel_err(gated, wl.w4_linear_gelu_reference(x, packed, scales, up)) < tol
+    gated = wm.w4_matmul(x, packed, scales, gelu=True, up=up, config=config)
+    assert rel_err(gated, wr.w4_linear_gelu_reference(x, packed, scales, up)) < tol
 
 
 @kernel_test
@@ -267,11 +271,11 @@ def test_kernel_matmul_gelu_gates_in_the_epilogue(x_dtype):
 ])
 def test_kernel_matmul(m, n, k, x_dtype, fp32, config):
     x, packed, scales = kernel_inputs(m, n, k, x_dtype, torch.bfloat16)
-    out = wl.w4_matmul(x, packed, scales, fp32=fp32, config=config)
+    out = wm.w4_matmul(x, packed, scales, fp32=fp32, config=config)
     assert out.shape == (m, n) and out.dtype == x_dtype
     # the tensor-core path rounds each dequantised weight to x.dtype once
-    tol = OUT_TOL[x_dtype] if wl.prefill_uses_fp32(x, fp32) else 2 * OUT_TOL[x_dtype]
-    assert rel_err(out, wl.w4_linear_reference(x, packed, scales)) < tol
+    tol = OUT_TOL[x_dtype] if wm.prefill_uses_fp32(x, fp32) else 2 * OUT_TOL[x_dtype]
+    assert rel_err(out, wr.w4_linear_reference(x, packed, scales)) < tol
 
 
 @kernel_test
@@ -279,16 +283,16 @@ def test_kernel_matmul(m, n, k, x_dtype, fp32, config):
 def test_kernel_logits_and_argmax(m):
     x, packed, scales = kernel_inputs(m, 40, 128, torch.float16, torch.float16)
     x = x * 8  # logits of tens: the softcap bends them
-    logits = wl.w4_logits_triton(x, packed, scales, 30.0)
+    logits = wo.w4_logits_triton(x, packed, scales, 30.0)
     assert logits.dtype == torch.float32 and logits.shape == (m, 40)
-    assert rel_err(logits, wl.w4_logits_reference(x, packed, scales, 30.0)) < 1e-5
-    top = wl.w4_argmax_triton(x, packed, scales, 30.0)
+    assert rel_err(logits, wr.w4_logits_reference(x, packed, scales, 30.0)) < 1e-5
+    top = wo.w4_argmax_triton(x, packed, scales, 30.0)
     assert top.dtype == torch.int64
-    assert torch.equal(top, wl.w4_argmax_reference(x, packed, scales, 30.0))
+    assert torch.equal(top, wr.w4_argmax_reference(x, packed, scales, 30.0))
     assert torch.equal(top, torch.argmax(logits, dim=-1))
-    plain = wl.w4_logits_triton(x, packed, scales, None)  # a config without final_logit_softcapping
-    assert rel_err(plain, wl.w4_linear_reference(x.float(), packed, scales)) < 1e-5
-    assert torch.equal(wl.w4_argmax_triton(x, packed, scales, None), torch.argmax(plain, dim=-1))
+    plain = wo.w4_logits_triton(x, packed, scales, None)  # a config without final_logit_softcapping
+    assert rel_err(plain, wr.w4_linear_reference(x.float(), packed, scales)) < 1e-5
+    assert torch.equal(wo.w4_argmax_triton(x, packed, scales, None), torch.argmax(plain, dim=-1))
 
 
 @kernel_test
@@ -303,8 +307,8 @@ def test_kernel_argmax_ties_go_to_the_lowest_index():
 
     for r, v in ((21, x[0]), (40, x[0]), (75, x[0]), (76, x[1])):
         packed[r], scales[r] = peak(v), 0.05
-    assert wl.w4_argmax_triton(x, packed, scales).tolist() == [21, 76]
-    assert wl.w4_argmax_reference(x, packed, scales).tolist() == [21, 76]
+    assert wo.w4_argmax_triton(x, packed, scales).tolist() == [21, 76]
+    assert wr.w4_argmax_reference(x, packed, scales).tolist() == [21, 76]
 
 
 @kernel_test
@@ -323,24 +327,24 @@ def test_kernel_embedding_is_exact(k, out_dtype, scale_dtype, ids):
 
 @kernel_test
 def test_kernel_dispatchers(monkeypatch):
-    """The GEMV, the decode-batch kernel and the GEMM behind qat4.ops.w4, each by its rows."""
-    from qat4.ops import w4
+    """The GEMV, the decode-batch kernel and the GEMM behind qat4.ops.w4.dispatch, each by its rows."""
+    from qat4.ops.w4 import dispatch as w4
 
     monkeypatch.setenv("QAT4_OPS", "triton")
     monkeypatch.setattr(w4, "BATCH_ROWS", 16)  # the GEMM from 17 rows: a small shape for the interpreter
     x, packed, scales = kernel_inputs(18, 24, 64, torch.float16, torch.float16)
-    reference = wl.w4_linear_reference(x, packed, scales)
+    reference = wr.w4_linear_reference(x, packed, scales)
     assert rel_err(w4.w4_linear(x, packed, scales), reference) < 2 * OUT_TOL[torch.float16]
     assert rel_err(w4.w4_linear(x[:2], packed, scales), reference[:2]) < OUT_TOL[torch.float16]
-    assert torch.equal(w4.w4_argmax(x[:3], packed, scales), wl.w4_argmax_reference(x[:3], packed, scales))
+    assert torch.equal(w4.w4_argmax(x[:3], packed, scales), wr.w4_argmax_reference(x[:3], packed, scales))
     for rows in (x[:2], x[:8], x):  # the GEMV, the decode-batch kernel, the GEMM
         tol = OUT_TOL[torch.float16] * (1 if rows.shape[0] <= w4.GEMV_ROWS else 2)
-        assert rel_err(w4.w4_linear_gelu(rows, packed, scales), wl.w4_linear_gelu_reference(rows, packed, scales)) < tol
-        step = wl.ResidualStep(torch.randn_like(rows[:, :24]), torch.ones(24, device=KERNEL_DEVICE, dtype=rows.dtype))
+        assert rel_err(w4.w4_linear_gelu(rows, packed, scales), wr.w4_linear_gelu_reference(rows, packed, scales)) < tol
+        step = wr.ResidualStep(torch.randn_like(rows[:, :24]), torch.ones(24, device=KERNEL_DEVICE, dtype=rows.dtype))
         got, _ = w4.w4_linear_residual(rows, packed, scales, step)
-        assert rel_err(got, wl.w4_linear_residual_reference(rows, packed, scales, step)[0]) < tol
+        assert rel_err(got, wr.w4_linear_residual_reference(rows, packed, scales, step)[0]) < tol
     logits = w4.w4_logits(x[:8], packed, scales)
-    assert rel_err(logits, wl.w4_logits_reference(x[:8], packed, scales)) < 2 * OUT_TOL[torch.float16]
+    assert rel_err(logits, wr.w4_logits_reference(x[:8], packed, scales)) < 2 * OUT_TOL[torch.float16]
     assert torch.equal(w4.w4_argmax(x[:8], packed, scales), logits.argmax(-1))
     ids = torch.tensor([1, 23], device=KERNEL_DEVICE)
     assert torch.equal(we.w4_embedding(ids, packed, scales, 16.0, torch.float16),

@@ -1,5 +1,5 @@
-"""The decode-batch int4 kernels of qat4.ops.w4_batch against the torch references of
-qat4.ops.w4_linear, and their tiling table.
+"""The decode-batch int4 kernels of qat4.ops.w4.batch against the torch references of
+qat4.ops.w4.reference, and their tiling table.
 
 As in tests/test_ops_w4.py, the kernel tests (test_kernel_*) run on CUDA when present, else under
 the Triton interpreter in a subprocess with TRITON_INTERPRET=1. The interpreter cannot run a bf16
@@ -17,8 +17,8 @@ from kernel_harness import INTERPRETED, KERNEL_DEVICE, kernel_test, run_interpre
 
 from qat4.checkpoint import packing
 from qat4.ops import pdl
-from qat4.ops import w4_batch as wb
-from qat4.ops import w4_linear as wl
+from qat4.ops.w4 import batch as wb
+from qat4.ops.w4 import reference as wr
 
 # Relative Frobenius error allowed per x dtype. fp32: accumulation order only. 16-bit: each
 # weight is rounded to x.dtype once (2^-11 fp16, 2^-8 bf16; truncated, so up to twice that, under
@@ -76,7 +76,7 @@ def test_kernel_batch_linear(m, n, k, x_dtype, scale_dtype, config):
     x, packed, scales = inputs(m, n, k, x_dtype, scale_dtype, seed=m * 1000 + n + k)
     out = nans(m, n, dtype=x_dtype)
     assert wb.w4_batch_linear(x, packed, scales, out=out, config=config) is out
-    assert rel_err(out, wl.w4_linear_reference(x, packed, scales)) < TOL[x_dtype]
+    assert rel_err(out, wr.w4_linear_reference(x, packed, scales)) < TOL[x_dtype]
     fresh = wb.w4_batch_linear(x, packed, scales, config=config)
     assert fresh.shape == (m, n) and fresh.dtype == x_dtype and torch.equal(fresh, out)
 
@@ -91,7 +91,7 @@ def test_kernel_batch_split_k_is_deterministic_and_resets_its_tickets():
     first = wb.w4_batch_linear(x, packed, scales, out=nans(17, 80, dtype=F32), config=config)
     second = wb.w4_batch_linear(x, packed, scales, out=nans(17, 80, dtype=F32), config=config)
     assert torch.equal(first, second)
-    assert rel_err(second, wl.w4_linear_reference(x, packed, scales)) < TOL[F32]
+    assert rel_err(second, wr.w4_linear_reference(x, packed, scales)) < TOL[F32]
     locks, _ = wb.batch_scratch(x.device)
     assert not locks.any()
 
@@ -108,11 +108,11 @@ def test_kernel_batch_gelu_gates_in_the_epilogue(m, x_dtype, config):
     x, packed, scales = inputs(m, 48, 512, x_dtype, F16, seed=m, x_scale=4.0)  # gates of a few units
     pairs = nans(m, 24, dtype=x_dtype)
     wb.w4_batch_linear_gelu(x, packed, scales, out=pairs, config=config)
-    assert rel_err(pairs, wl.w4_linear_gelu_reference(x, packed, scales)) < TOL[x_dtype]
+    assert rel_err(pairs, wr.w4_linear_gelu_reference(x, packed, scales)) < TOL[x_dtype]
     table = torch.randn(m, 3, 48, generator=torch.Generator().manual_seed(m + 1)).to(KERNEL_DEVICE, x_dtype)
     gated = nans(m, 48, dtype=x_dtype)
     wb.w4_batch_linear_gelu(x, packed, scales, table[:, 1], out=gated, config=config)
-    assert rel_err(gated, wl.w4_linear_gelu_reference(x, packed, scales, table[:, 1])) < TOL[x_dtype]
+    assert rel_err(gated, wr.w4_linear_gelu_reference(x, packed, scales, table[:, 1])) < TOL[x_dtype]
 
 
 @kernel_test
@@ -127,13 +127,13 @@ def test_kernel_batch_logits_and_argmax(m, x_dtype, config):
     for cap in (30.0, None):
         logits = nans(m, 72, dtype=F32)
         wb.w4_batch_logits(x, packed, scales, cap, out=logits, config=config)
-        assert rel_err(logits, wl.w4_logits_reference(x, packed, scales, cap)) < TOL[x_dtype]
+        assert rel_err(logits, wr.w4_logits_reference(x, packed, scales, cap)) < TOL[x_dtype]
         if cap is not None:
             assert logits.abs().max() < cap
         top = wb.w4_batch_argmax(x, packed, scales, cap, config=config)
         assert top.dtype == torch.int64 and top.shape == (m,)
         assert torch.equal(top, torch.argmax(logits, dim=-1))
-        assert torch.equal(top, wl.w4_argmax_reference(x, packed, scales, cap))
+        assert torch.equal(top, wr.w4_argmax_reference(x, packed, scales, cap))
 
 
 @kernel_test
@@ -151,7 +151,7 @@ def test_kernel_batch_argmax_ties_go_to_the_lowest_index():
     for split in (1, 2):
         config = {"BLOCK_N": 32, "BLOCK_G": 4, "SPLIT_K": split}
         assert wb.w4_batch_argmax(x, packed, scales, config=config).tolist() == [21, 76]
-    assert wl.w4_argmax_reference(x, packed, scales).tolist() == [21, 76]
+    assert wr.w4_argmax_reference(x, packed, scales).tolist() == [21, 76]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ bytes = N*K/2 (codes) + N*K/16 (scales) + activations; GB/s = bytes / time. The 
 weighs each shape by its count per decode step (gemma4-e2b.md section 5.5) and compares with the
 read bandwidth measured by a plain copy. --sweep also times the candidate tilings one by one.
 From --rows 2 (up to 128: a continuous-batching decode step) a second table times, the same
-way, the decode-batch kernel of qat4.ops.w4_batch beside the GEMV (up to 16 rows) and the prefill
-GEMM; --sweep there times every tiling of w4_batch.batch_tiling_candidates.
+way, the decode-batch kernel of qat4.ops.w4.batch beside the GEMV (up to 16 rows) and the prefill
+GEMM; --sweep there times every tiling of qat4.ops.w4.batch.batch_tiling_candidates.
 Then (without --shapes): the output layer (logits, argmax), the prefill GEMM, the embeddings.
 --floor instead times chains of N x 1536 GEMVs from 0.1 to 42 MB at fixed tilings, with and without
 programmatic dependent launch: what a dependent GEMV costs before its bytes.
@@ -26,9 +26,12 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from qat4.ops import w4_batch as wb  # noqa: E402
-from qat4.ops import w4_linear as wl  # noqa: E402
-from qat4.ops.w4_embedding import w4_embedding  # noqa: E402
+from qat4.ops.w4 import batch as wb  # noqa: E402
+from qat4.ops.w4 import gemm as wm  # noqa: E402
+from qat4.ops.w4 import gemv as wv  # noqa: E402
+from qat4.ops.w4 import logits as wo  # noqa: E402
+from qat4.ops.w4 import tiling as wt  # noqa: E402
+from qat4.ops.w4.embedding import w4_embedding  # noqa: E402
 
 # (N, K, count per decode step); the last one is the output layer
 DECODE_SHAPES = [
@@ -90,7 +93,7 @@ def chained_matvec(n, k, rows, dtype, device):
     """:func:`chained` for the GEMV: time_us(config=None) -> median µs per launch, with `config`
     as w4_matvec takes it."""
     time_us = chained(n, k, rows, dtype, device)
-    return lambda config=None: time_us(lambda x, p, s, o: wl.w4_matvec(x, p, s, o, config=config))
+    return lambda config=None: time_us(lambda x, p, s, o: wv.w4_matvec(x, p, s, o, config=config))
 
 
 def bench_matvec(dtype, rows, sweep, shapes, device, peak):
@@ -103,14 +106,14 @@ def bench_matvec(dtype, rows, sweep, shapes, device, peak):
         nbytes = weight_bytes(n, k, dtype) + rows * k * 2 + rows * n * 2
         time_us = chained_matvec(n, k, rows, dtype, device)
         us = timed[n, k] = time_us()
-        best = wl._matvec_tuned.best_config
+        best = wv._matvec_tuned.best_config
         gbs = nbytes / us / 1e3
         total_us += us * count
         total_bytes += nbytes * count
         print(f"{n:>7} x {k:<5} {count:>5} {us:>8.2f} {gbs:>7.0f} {100 * gbs / peak:>5.0f}%  "
               f"RR={best.kwargs['RR']} TR={best.kwargs['TR']} BG={best.kwargs['BLOCK_G']} split={best.kwargs['SPLIT_K']}")
         if sweep:
-            tuned = wl.matvec_tiling_candidates((n, k // 32, wl._matvec_block_m(rows)), device)
+            tuned = wt.matvec_tiling_candidates((n, k // 32, wt.matvec_block_m(rows)), device)
             extra = [{"RR": rr, "TR": tr, "BLOCK_G": bg, "SPLIT_K": 1} for rr, tr, bg in EXTRA_TILINGS]
             for tiling in tuned + extra:
                 us_t = time_us(tiling)
@@ -141,7 +144,7 @@ def bench_batch(dtype, rows, sweep, shapes, device, peak, gemv_us=None):
         nbytes = weight_bytes(n, k, dtype) + rows * k * 2 + rows * n * 2
         time_us = chained(n, k, rows, dtype, device)
         tiling = wb.batch_tiling(n, k, rows, device)
-        gemm = time_us(lambda x, p, s, o: wl.w4_matmul(x, p, s))
+        gemm = time_us(lambda x, p, s, o: wm.w4_matmul(x, p, s))
         batch = time_us(lambda x, p, s, o: wb.w4_batch_linear(x, p, s, out=o, config=tiling))
         gemv = gemv_us.get((n, k))
         for name, us in (("GEMV", gemv), ("GEMM", gemm), ("batch", batch)):
@@ -195,7 +198,7 @@ def bench_output(dtype, device, peak):
     print(f"{'op':>14} {'rows':>5} {'µs':>8} {'GB/s':>7} {'% copy':>6}")
     for rows in (1, 4):
         x = torch.randn(rows, k, dtype=dtype, device=device)
-        for name, fn, out_bytes in (("logits", wl.w4_logits_triton, rows * n * 4), ("argmax", wl.w4_argmax_triton, 0)):
+        for name, fn, out_bytes in (("logits", wo.w4_logits_triton, rows * n * 4), ("argmax", wo.w4_argmax_triton, 0)):
             us = graph_time_us(lambda: fn(x, packed[0], scales[0]), 1)
             gbs = (weight_bytes(n, k, dtype) + out_bytes) / us / 1e3
             print(f"{name:>14} {rows:>5} {us:>8.1f} {gbs:>7.0f} {100 * gbs / peak:>5.0f}%")
@@ -209,7 +212,7 @@ def bench_prefill(dtype, device):
         for m in (512, 4096):
             x = torch.randn(m, k, dtype=dtype, device=device)
             tflops = lambda fp32: 2 * m * n * k / 1e9 / triton.testing.do_bench(
-                lambda: wl.w4_matmul(x, packed[0], scales[0], fp32=fp32), return_mode="median")
+                lambda: wm.w4_matmul(x, packed[0], scales[0], fp32=fp32), return_mode="median")
             tc = tflops(None)
             f32 = f"{tflops(True):13.1f}" if m == 512 else ""
             print(f"{n:>7} x {k:<5} {m:>5} {2 * m * n * k / tc / 1e6:>9.1f} {tc:>8.1f} {f32:>13}")
@@ -252,7 +255,7 @@ def main():
         shapes = [shape for shape in DECODE_SHAPES if shape[:2] in wanted]
     if args.rows < 1:
         sys.exit("--rows must be at least 1.")
-    gemv_us = bench_matvec(dtype, args.rows, args.sweep, shapes, device, peak) if args.rows <= wl.MAX_MATVEC_ROWS else None
+    gemv_us = bench_matvec(dtype, args.rows, args.sweep, shapes, device, peak) if args.rows <= wv.MAX_MATVEC_ROWS else None
     if args.rows >= 2:
         bench_batch(dtype, args.rows, args.sweep, shapes, device, peak, gemv_us)
     if not args.shapes:

@@ -33,10 +33,10 @@ from qat4.engine.speculation import SPEC_MAX_BATCH, PromptLookup, Speculator, ac
 from qat4.engine.tuning import load_tilings, save_tilings, tune_decode_tilings
 from qat4.errors import Qat4Error
 from qat4.model import Gemma4
-from qat4.ops.w4_linear import forget_matvec_tilings, matvec_tilings, pin_matvec_tilings
+from qat4.ops.w4.tiling import forget_matvec_tilings, matvec_tilings, pin_matvec_tilings
 
-# Token counts that reach every kernel choice of qat4.ops.w4 (the GEMV, the batch kernel's row
-# blocks of 16, 32, 64 and 128, the prefill GEMM) and of the attention tiles (decode, prefill).
+# Token counts that reach every kernel choice of qat4.ops.w4.dispatch (the GEMV, the batch kernel's
+# row blocks of 16, 32, 64 and 128, the prefill GEMM) and of the attention tiles (decode, prefill).
 WARM_TOKENS = (1, 3, 17, 33, 65, 129)
 
 
@@ -233,10 +233,10 @@ class Engine:
 
     def _warm_kernels(self, probe: Sequence) -> None:
         """Launch every kernel variant an eager prompt step can need, on ``probe``'s blocks: a
-        chunk of each row class of :mod:`qat4.ops.w4` (WARM_TOKENS) at position 0 and at the
-        deepest position (attention with and without key splits), then the output layer over each
-        row class of sampled rows for every captured sampling shape. Triton compiles a kernel the
-        first time a new constant or tiling reaches it, and a compile mid-serving stops every
+        chunk of each row class of :mod:`qat4.ops.w4.dispatch` (WARM_TOKENS) at position 0 and at
+        the deepest position (attention with and without key splits), then the output layer over
+        each row class of sampled rows for every captured sampling shape. Triton compiles a kernel
+        the first time a new constant or tiling reaches it, and a compile mid-serving stops every
         running sequence for seconds."""
         deep, keeps = probe.length, self._default_keeps()
         for tokens in (t for t in WARM_TOKENS if t <= min(self.prefill_chunk, deep)):

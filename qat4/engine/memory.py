@@ -121,8 +121,8 @@ def chunk_graph_nbytes(prefill_chunk: int) -> int:
 
 def tuning_reserve(device: torch.device) -> int:
     """What the autotuner allocates beside everything else while it tunes at load: its L2 flush
-    buffer (:func:`qat4.ops.w4_linear.flush_nbytes`)."""
-    from qat4.ops.w4_linear import flush_nbytes
+    buffer (:func:`qat4.ops.w4.tiling.flush_nbytes`)."""
+    from qat4.ops.w4.tiling import flush_nbytes
 
     return flush_nbytes(device)
 

@@ -7,7 +7,7 @@ per step depending on the picks (BENCHMARKS.md). :func:`tune_decode_tilings` sta
 tilings in use and, shape by shape (the most weight bytes first), tries each candidate tiling by
 capturing the step anew and timing its graph replays; a candidate replaces the current tiling only
 when the step gets faster by more than ``margin``. The winners are pinned
-(:func:`qat4.ops.w4_linear.pin_matvec_tilings`) and can be saved per GPU, dtype and Triton version
+(:func:`qat4.ops.w4.tiling.pin_matvec_tilings`) and can be saved per GPU, dtype and Triton version
 (:func:`save_tilings`) and pinned again at the next load (:func:`load_tilings`).
 """
 
@@ -21,8 +21,10 @@ from typing import Callable
 
 import torch
 
-from qat4.ops import w4_linear
 from qat4.ops._triton import TRITON_VERSION
+from qat4.ops.w4.tiling import (
+    TILING_KEYS, forget_matvec_tilings, matvec_tiling_candidates, matvec_tilings, pin_matvec_tilings,
+)
 
 Tilings = dict[tuple, dict]
 
@@ -96,28 +98,28 @@ def tune_decode_tilings(runner, key: tuple[int, int, int], replays: int = 50,
     Returns (tilings, µs per step with the starting tilings, µs per step with the tilings found).
     """
     runner.graphs.pop(key, None)
-    w4_linear.forget_matvec_tilings()
+    forget_matvec_tilings()
     runner.capture(*key)  # eager warm-up steps launch (and autotune) every GEMV shape of the step
-    start = w4_linear.matvec_tilings()
+    start = matvec_tilings()
     device = runner.device
     by_bytes = sorted(start, key=lambda shape: shape[0] * shape[1], reverse=True)
-    candidates = {shape: w4_linear.matvec_tiling_candidates(shape, device) for shape in by_bytes}
+    candidates = {shape: matvec_tiling_candidates(shape, device) for shape in by_bytes}
 
     def measure(tilings: Tilings) -> float:
-        w4_linear.pin_matvec_tilings(tilings)
+        pin_matvec_tilings(tilings)
         return step_time_us(runner, key, replays)
 
     best, after, before = descend(start, candidates, measure, margin)
-    w4_linear.pin_matvec_tilings(best)
+    pin_matvec_tilings(best)
     runner.graphs.pop(key, None)
     return best, before, after
 
 
 def describe_tilings(tilings: Tilings) -> list[str]:
     """Lines that show a table of tilings: a header, then one line per GEMV shape key in order."""
-    lines = [f"(N, K/32, rows of x, epilogue, residual, dtype) -> ({', '.join(w4_linear.TILING_KEYS)})"]
+    lines = [f"(N, K/32, rows of x, epilogue, residual, dtype) -> ({', '.join(TILING_KEYS)})"]
     for key, tiling in sorted(tilings.items(), key=lambda item: str(item[0])):
-        lines.append(f"{key} -> {tuple(tiling[k] for k in w4_linear.TILING_KEYS)}")
+        lines.append(f"{key} -> {tuple(tiling[k] for k in TILING_KEYS)}")
     return lines
 
 

@@ -10,7 +10,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from qat4.ops import attention as attn
-from qat4.ops import norms
+from qat4.ops import norms, qkv_prep
 
 pytestmark = [
     pytest.mark.gpu,
@@ -138,14 +138,15 @@ def test_sm75_tiles_fit_64_kib_of_shared_memory(kind, split, head_dim):
 def test_norm_kernels_at_e2b_shapes(dtype):
     x, w = rand(3, 1536, dtype=dtype) * 4, rand(1536, dtype=dtype) * 10
     assert_rounding_close(norms.rms_norm_triton(x, w), norms.rms_norm_reference(x, w))
-    for D, inv in ((256, norms.rope_inv_freq(256, 1e4)), (512, norms.rope_inv_freq(512, 1e6, 0.25, proportional=True))):
-        cache = norms.rope_cos_sin_cache(inv.cuda(), CACHE, dtype)
+    for D, inv in ((256, qkv_prep.rope_inv_freq(256, 1e4)),
+                   (512, qkv_prep.rope_inv_freq(512, 1e6, 0.25, proportional=True))):
+        cache = qkv_prep.rope_cos_sin_cache(inv.cuda(), CACHE, dtype)
         qkv = rand(4, (H + 2) * D, dtype=dtype) * 3
         q, k, v = qkv[:, : H * D].view(4, H, D), qkv[:, H * D : (H + 1) * D].view(4, 1, D), qkv[:, (H + 1) * D :].view(4, 1, D)
         positions = torch.tensor([0, 511, 4096, CACHE - 1], device="cuda")
         qw, kw = rand(D, dtype=dtype) * 5, rand(D, dtype=dtype) * 5
-        got = norms.qk_norm_rope_triton(q, k, v, positions, cache, qw, kw)
-        for a, b in zip(got, norms.qk_norm_rope_reference(q, k, v, positions, cache, qw, kw)):
+        got = qkv_prep.qk_norm_rope_triton(q, k, v, positions, cache, qw, kw)
+        for a, b in zip(got, qkv_prep.qk_norm_rope_reference(q, k, v, positions, cache, qw, kw)):
             assert_rounding_close(a, b)
 
 

@@ -1,5 +1,5 @@
-"""The decode-batch int4 kernels of qat4.ops.w4_batch at Gemma 4 E2B shapes, on a CUDA GPU,
-against the torch references of qat4.ops.w4_linear.
+"""The decode-batch int4 kernels of qat4.ops.w4.batch at Gemma 4 E2B shapes, on a CUDA GPU,
+against the torch references of qat4.ops.w4.reference.
 
 Run with `pytest -m gpu tests/gpu`; timings live in tools/bench_w4.py --rows R, not here.
 """
@@ -8,8 +8,8 @@ import pytest
 import torch
 from cuda_weights import random_weight, rel_err
 
-from qat4.ops import w4_batch as wb
-from qat4.ops import w4_linear as wl
+from qat4.ops.w4 import batch as wb
+from qat4.ops.w4 import reference as wr
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -37,7 +37,7 @@ def test_batch_linear_at_e2b_shapes(n, k, dtype):
     for m in ROWS if dtype == torch.bfloat16 else (16,):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         out = wb.w4_batch_linear(x, packed, scales, out=torch.full((m, n), float("nan"), device="cuda", dtype=dtype))
-        assert rel_err(out, wl.w4_linear_reference(x, packed, scales)) < TOL[dtype], (m, n, k, wb.batch_tiling(n, k, m, x.device))
+        assert rel_err(out, wr.w4_linear_reference(x, packed, scales)) < TOL[dtype], (m, n, k, wb.batch_tiling(n, k, m, x.device))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -50,7 +50,7 @@ def test_batch_gelu_at_e2b_shapes(n, k, per_layer, dtype):
         x = torch.randn(m, k, device="cuda", dtype=dtype) * 4
         up = torch.randn(m, 35, n, device="cuda", dtype=dtype)[:, 7] if per_layer else None
         out = wb.w4_batch_linear_gelu(x, packed, scales, up)
-        assert rel_err(out, wl.w4_linear_gelu_reference(x, packed, scales, up)) < TOL[dtype], (m, n, k)
+        assert rel_err(out, wr.w4_linear_gelu_reference(x, packed, scales, up)) < TOL[dtype], (m, n, k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -61,7 +61,7 @@ def test_batch_output_layer_at_vocab_size(dtype):
     for m in (16, 100):
         x = torch.randn(m, HIDDEN, device="cuda", dtype=dtype) * 4
         logits = wb.w4_batch_logits(x, packed, scales)
-        reference = wl.w4_logits_reference(x, packed, scales)
+        reference = wr.w4_logits_reference(x, packed, scales)
         assert logits.dtype == torch.float32 and rel_err(logits, reference) < TOL[dtype]
         top = wb.w4_batch_argmax(x, packed, scales)
         assert torch.equal(top, torch.argmax(logits, dim=-1))
@@ -76,7 +76,7 @@ def test_batch_split_k_is_deterministic_and_graph_safe():
     x = torch.randn(16, 12288, device="cuda", dtype=torch.bfloat16)
     assert wb.batch_tiling(1536, 12288, 16, x.device)["SPLIT_K"] > 1
     first = wb.w4_batch_linear(x, packed, scales)
-    assert rel_err(first, wl.w4_linear_reference(x, packed, scales)) < TOL[torch.bfloat16]
+    assert rel_err(first, wr.w4_linear_reference(x, packed, scales)) < TOL[torch.bfloat16]
     for _ in range(50):
         assert torch.equal(wb.w4_batch_linear(x, packed, scales), first)
     out = torch.empty_like(first)
@@ -95,6 +95,6 @@ def test_every_candidate_tiling_is_right(m):
     n, k = 1536, 4096
     packed, scales = random_weight(n, k, torch.bfloat16)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    reference = wl.w4_linear_reference(x, packed, scales)
+    reference = wr.w4_linear_reference(x, packed, scales)
     for tiling in wb.batch_tiling_candidates(n, k, m, x.device):
         assert rel_err(wb.w4_batch_linear(x, packed, scales, config=tiling), reference) < TOL[torch.bfloat16], tiling

@@ -8,9 +8,11 @@ import pytest
 import torch
 from cuda_weights import random_weight, rel_err
 
-from qat4.ops import w4_embedding as we
-from qat4.ops import w4
-from qat4.ops import w4_linear as wl
+from qat4.ops.w4 import dispatch as w4
+from qat4.ops.w4 import embedding as we
+from qat4.ops.w4 import gemm as wm
+from qat4.ops.w4 import gemv as wv
+from qat4.ops.w4 import reference as wr
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -37,9 +39,9 @@ def test_matvec_at_e2b_shapes(n, k, dtype):
     packed, scales = random_weight(n, k, dtype)
     for m in (1, 3, 16) if dtype == torch.bfloat16 else (1,):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
-        out = wl.w4_matvec(x, packed, scales)
+        out = wv.w4_matvec(x, packed, scales)
         assert out.dtype == dtype and out.shape == (m, n)
-        assert rel_err(out, wl.w4_linear_reference(x, packed, scales)) < OUT_TOL[dtype], (m, n, k)
+        assert rel_err(out, wr.w4_linear_reference(x, packed, scales)) < OUT_TOL[dtype], (m, n, k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -48,9 +50,9 @@ def test_matmul_at_e2b_shapes(n, k, dtype):
     packed, scales = random_weight(n, k, dtype)
     for m in (64, 1000) if n < VOCAB else (64,):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
-        out = wl.w4_matmul(x, packed, scales)
+        out = wm.w4_matmul(x, packed, scales)
         assert out.dtype == dtype and out.shape == (m, n)
-        assert rel_err(out, wl.w4_linear_reference(x, packed, scales)) < MATMUL_TOL[dtype], (m, n, k)
+        assert rel_err(out, wr.w4_linear_reference(x, packed, scales)) < MATMUL_TOL[dtype], (m, n, k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -58,8 +60,8 @@ def test_matmul_fp32_path(dtype, monkeypatch):
     packed, scales = random_weight(2560, 1536, dtype)
     x = torch.randn(300, 1536, device="cuda", dtype=dtype)
     monkeypatch.setenv("QAT4_PREFILL_FP32", "1")
-    assert wl.prefill_uses_fp32(x)
-    assert rel_err(wl.w4_matmul(x, packed, scales), wl.w4_linear_reference(x, packed, scales)) < OUT_TOL[dtype]
+    assert wm.prefill_uses_fp32(x)
+    assert rel_err(wm.w4_matmul(x, packed, scales), wr.w4_linear_reference(x, packed, scales)) < OUT_TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -71,7 +73,7 @@ def test_output_layer_at_vocab_size(dtype):
     for m in (w4.GEMV_ROWS, 16, 64):
         x = torch.randn(m, HIDDEN, device="cuda", dtype=dtype) * 4
         logits = w4.w4_logits(x, packed, scales)
-        reference = wl.w4_logits_reference(x, packed, scales)
+        reference = wr.w4_logits_reference(x, packed, scales)
         assert logits.dtype == torch.float32 and rel_err(logits, reference) < (1e-5 if m <= w4.GEMV_ROWS else MATMUL_TOL[dtype])
         top = w4.w4_argmax(x, packed, scales)
         assert torch.equal(top, torch.argmax(logits, dim=-1))
@@ -93,16 +95,16 @@ def test_split_k_is_deterministic_and_graph_safe():
     packed, scales = random_weight(1536, 12288, torch.bfloat16)
     x = torch.randn(1, 12288, device="cuda", dtype=torch.bfloat16)
     config = {"RR": 8, "TR": 2, "BLOCK_G": 16, "SPLIT_K": 8}
-    first = wl.w4_matvec(x, packed, scales, config=config)
-    assert rel_err(first, wl.w4_linear_reference(x, packed, scales)) < OUT_TOL[torch.bfloat16]
+    first = wv.w4_matvec(x, packed, scales, config=config)
+    assert rel_err(first, wr.w4_linear_reference(x, packed, scales)) < OUT_TOL[torch.bfloat16]
     for _ in range(50):
-        assert torch.equal(wl.w4_matvec(x, packed, scales, config=config), first)
+        assert torch.equal(wv.w4_matvec(x, packed, scales, config=config), first)
     out = torch.empty_like(first)
-    wl.w4_matvec(x, packed, scales, out)  # autotune before capture
+    wv.w4_matvec(x, packed, scales, out)  # autotune before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        wl.w4_matvec(x, packed, scales, out)
-    eager = wl.w4_matvec(x, packed, scales)
+        wv.w4_matvec(x, packed, scales, out)
+    eager = wv.w4_matvec(x, packed, scales)
     for _ in range(20):
         out.zero_()
         graph.replay()
@@ -121,7 +123,7 @@ def test_gelu_epilogue_at_e2b_shapes(n, k, per_layer, dtype):
         up = torch.randn(m, 35, n, device="cuda", dtype=dtype)[:, 7] if per_layer else None
         out = w4.w4_linear_gelu(x, packed, scales, up)
         tol = (OUT_TOL if m <= w4.GEMV_ROWS else MATMUL_TOL)[dtype]
-        assert rel_err(out, wl.w4_linear_gelu_reference(x, packed, scales, up)) < tol, (m, n, k)
+        assert rel_err(out, wr.w4_linear_gelu_reference(x, packed, scales, up)) < tol, (m, n, k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -134,9 +136,9 @@ def test_residual_epilogue_at_e2b_shapes(n, k, dtype):
     for m in (1, 3, 16, 64):
         x = vec(m, k)
         tol = (OUT_TOL if m <= w4.GEMV_ROWS else MATMUL_TOL)[dtype]
-        for step in (wl.ResidualStep(vec(m, n), vec(n)), wl.ResidualStep(vec(m, n), vec(n), vec(1), vec(n))):
+        for step in (wr.ResidualStep(vec(m, n), vec(n)), wr.ResidualStep(vec(m, n), vec(n), vec(1), vec(n))):
             h_out, x_next = w4.w4_linear_residual(x, packed, scales, step)
-            want_h, want_x = wl.w4_linear_residual_reference(x, packed, scales, step)
+            want_h, want_x = wr.w4_linear_residual_reference(x, packed, scales, step)
             assert rel_err(h_out, want_h) < tol, (m, n, k)
             assert (x_next is None) == (want_x is None)
             assert x_next is None or rel_err(x_next, want_x) < 2 * tol

@@ -1,11 +1,12 @@
 """The int4 linear layers the model calls: each picks a kernel by the rows of x it multiplies.
 
-- the reference (:mod:`qat4.ops.w4_linear`'s ``*_reference``) when :func:`qat4.ops.use_triton`
-  says so (CPU tensors, ``QAT4_OPS=reference``);
-- the GEMV (:mod:`qat4.ops.w4_linear`) for at most GEMV_ROWS rows: a single-sequence decode step;
-- the decode-batch tensor-core product (:mod:`qat4.ops.w4_batch`) up to BATCH_ROWS rows: many
+- the reference (:mod:`qat4.ops.w4.reference`) when :func:`qat4.ops.use_triton` says so (CPU
+  tensors, ``QAT4_OPS=reference``);
+- the GEMV (:mod:`qat4.ops.w4.gemv`, its output layer :mod:`qat4.ops.w4.logits`) for at most
+  GEMV_ROWS rows: a single-sequence decode step;
+- the decode-batch tensor-core product (:mod:`qat4.ops.w4.batch`) up to BATCH_ROWS rows: many
   sequences decoding together;
-- the prefill GEMM (:mod:`qat4.ops.w4_linear`) beyond: prompt chunks.
+- the prefill GEMM (:mod:`qat4.ops.w4.gemm`) beyond: prompt chunks.
 
 The boundaries come from timing the kernels at E2B's decode shapes on an H200
 (``tools/bench_w4.py --rows R``, BENCHMARKS.md); ``QAT4_GEMV_ROWS=N`` moves the first one (read
@@ -20,11 +21,13 @@ import torch
 
 from qat4.ops import use_triton
 from qat4.ops.norms import residual_rms_norm_triton
-from qat4.ops.w4_batch import w4_batch_argmax, w4_batch_linear, w4_batch_linear_gelu, w4_batch_logits
-from qat4.ops.w4_linear import (
-    MAX_MATVEC_ROWS, ResidualStep, w4_argmax_reference, w4_argmax_triton, w4_linear_gelu_reference,
-    w4_linear_reference, w4_linear_residual_reference, w4_logits_reference, w4_logits_triton, w4_matmul, w4_matvec,
-    w4_matvec_gelu, w4_matvec_residual,
+from qat4.ops.w4.batch import w4_batch_argmax, w4_batch_linear, w4_batch_linear_gelu, w4_batch_logits
+from qat4.ops.w4.gemm import w4_matmul
+from qat4.ops.w4.gemv import MAX_MATVEC_ROWS, w4_matvec, w4_matvec_gelu, w4_matvec_residual
+from qat4.ops.w4.logits import w4_argmax_triton, w4_logits_triton
+from qat4.ops.w4.reference import (
+    ResidualStep, w4_argmax_reference, w4_linear_gelu_reference, w4_linear_reference, w4_linear_residual_reference,
+    w4_logits_reference,
 )
 
 GEMV_ROWS = int(os.environ.get("QAT4_GEMV_ROWS", "2"))  # the GEMV up to this many rows of x
@@ -39,7 +42,7 @@ def _kernel(x: torch.Tensor) -> str:
 
 
 def w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ W.T -> [..., N] in x.dtype. See :func:`qat4.ops.w4_linear.w4_linear_reference`."""
+    """x [..., K] @ W.T -> [..., N] in x.dtype. See :func:`qat4.ops.w4.reference.w4_linear_reference`."""
     x2 = x.reshape(-1, x.shape[-1])
     fn = {"reference": w4_linear_reference, "gemv": w4_matvec, "batch": w4_batch_linear, "gemm": w4_matmul}[_kernel(x2)]
     return fn(x2, packed, scales).reshape(*x.shape[:-1], packed.shape[0])
@@ -48,7 +51,7 @@ def w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> to
 def w4_linear_gelu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                    up: torch.Tensor | None = None) -> torch.Tensor:
     """GELU-gated linear layer on x [T, K], the gate in the kernel's epilogue. See
-    :func:`qat4.ops.w4_linear.w4_linear_gelu_reference`."""
+    :func:`qat4.ops.w4.reference.w4_linear_gelu_reference`."""
     kernel = _kernel(x)
     if kernel == "gemm":
         return w4_matmul(x, packed, scales, gelu=True, up=up)
@@ -60,7 +63,7 @@ def w4_linear_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
                        residual: ResidualStep) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A linear layer on x [T, K] feeding a residual step: fused into the GEMV, else the product
     then :func:`qat4.ops.norms.residual_rms_norm_triton`. See
-    :func:`qat4.ops.w4_linear.w4_linear_residual_reference`."""
+    :func:`qat4.ops.w4.reference.w4_linear_residual_reference`."""
     kernel = _kernel(x)
     if kernel == "reference":
         return w4_linear_residual_reference(x, packed, scales, residual)
@@ -84,7 +87,7 @@ def _output_layer(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, s
 
 def w4_logits(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float | None = 30.0) -> torch.Tensor:
     """Softcapped output layer: x [..., K] -> fp32 logits [..., N]. See
-    :func:`qat4.ops.w4_linear.w4_logits_reference`."""
+    :func:`qat4.ops.w4.reference.w4_logits_reference`."""
     x2 = x.reshape(-1, x.shape[-1])
     out = _output_layer(x2, packed, scales, softcap, w4_logits_reference, w4_logits_triton, w4_batch_logits)
     return out.reshape(*x.shape[:-1], packed.shape[0])
@@ -92,7 +95,7 @@ def w4_logits(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softc
 
 def w4_argmax(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float | None = 30.0) -> torch.Tensor:
     """Greedy token: x [..., K] -> int64 [...], the first maximum of the softcapped logits,
-    without writing them. See :func:`qat4.ops.w4_linear.w4_argmax_reference`."""
+    without writing them. See :func:`qat4.ops.w4.reference.w4_argmax_reference`."""
     x2 = x.reshape(-1, x.shape[-1])
     return _output_layer(x2, packed, scales, softcap, w4_argmax_reference, w4_argmax_triton,
                          w4_batch_argmax).reshape(x.shape[:-1])

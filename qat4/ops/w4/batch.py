@@ -1,23 +1,24 @@
 """Packed int4 x 16-bit matrix products on tensor cores for decode batches (2..128 rows of x).
 
 A continuous-batching decode step multiplies a few dozen rows of activations by every weight
-matrix. The GEMV of :mod:`qat4.ops.w4_linear` pays the unpacking and one FMA per weight *per
+matrix. The GEMV of :mod:`qat4.ops.w4.gemv` pays the unpacking and one FMA per weight *per
 row* on CUDA cores, and the prefill GEMM's tiles are built for thousands of rows and do not split
 K; this kernel unpacks every weight once per program, multiplies on tensor cores and splits K
 until the GPU is full, so that it streams the weights near bandwidth from 2 to 128 rows.
 
-Layout as in :mod:`qat4.ops.w4_linear`: W [N, K], K a multiple of 32, ``packed`` int32 [N, K/8]
+Layout as in :mod:`qat4.ops.w4`: W [N, K], K a multiple of 32, ``packed`` int32 [N, K/8]
 (column ``8j + i`` in bits ``4i..4i+3`` of word ``j`` as the code ``level + 8``), ``scales``
 fp16/bf16 [N, K/32]; ``y = x @ W.T`` with fp32 accumulation; W never exists in 16 bits in memory.
 
-Entry points (each checked against the reference of :mod:`qat4.ops.w4_linear` named beside it):
+Entry points (each checked against the reference of :mod:`qat4.ops.w4.reference` named beside it):
 
-- :func:`w4_batch_linear` (:func:`~qat4.ops.w4_linear.w4_linear_reference`): out [M, N] in x.dtype.
-- :func:`w4_batch_linear_gelu` (:func:`~qat4.ops.w4_linear.w4_linear_gelu_reference`): the MLP's
+- :func:`w4_batch_linear` (:func:`~qat4.ops.w4.reference.w4_linear_reference`): out [M, N] in x.dtype.
+- :func:`w4_batch_linear_gelu` (:func:`~qat4.ops.w4.reference.w4_linear_gelu_reference`): the MLP's
   gate/up with alternating rows, out [M, N/2]; or gelu(y) * up, out [M, N].
-- :func:`w4_batch_logits` (:func:`~qat4.ops.w4_linear.w4_logits_reference`): fp32 logits
-  ``cap * tanh(y / cap)``; :func:`w4_batch_argmax` (:func:`~qat4.ops.w4_linear.w4_argmax_reference`):
-  the first maximum of those logits per row, without writing them.
+- :func:`w4_batch_logits` (:func:`~qat4.ops.w4.reference.w4_logits_reference`): fp32 logits
+  ``cap * tanh(y / cap)``; :func:`w4_batch_argmax`
+  (:func:`~qat4.ops.w4.reference.w4_argmax_reference`): the first maximum of those logits per
+  row, without writing them.
 
 Kernel (:func:`_batch_kernel`)
 ------------------------------
@@ -70,12 +71,12 @@ covers BLOCK_G groups, BLOCK_K = 32 * BLOCK_G columns::
 - *Split-K*: with SPLIT_K > 1 each program stores its fp32 partial [BLOCK_N, BLOCK_M] to a
   per-device scratch and takes a ticket from its tile's counter (acq_rel); the last program of
   the tile adds the partials in split order and runs the epilogue, then resets the counter, as
-  :func:`~qat4.ops.w4_linear._matvec_kernel` does: one launch, deterministic whatever order the
+  :func:`~qat4.ops.w4.gemv._matvec_kernel` does: one launch, deterministic whatever order the
   programs finish in.
 - *Epilogues* (constexpr): PLAIN (out [M, N] in x.dtype), GELU_PAIRS and GELU_UP (the rounding
   points of ``w4_linear_gelu_reference``: y to x.dtype, ``gelu_tanh_gate``), SOFTCAP (fp32,
   ``_softcap``), ARGMAX (per row of x and block of W the softcapped maximum and its first column,
-  then :func:`~qat4.ops.w4_linear._argmax_reduce_kernel`).
+  then :func:`~qat4.ops.w4.common.argmax_reduce_kernel`).
 
 Tilings (:func:`batch_tiling`) come from a fixed table per BLOCK_M (the rows of x rounded up to
 16, 32, 64 or 128) and N, and a split rule; nothing is timed at decode time, so a captured CUDA
@@ -89,10 +90,11 @@ import torch
 
 from qat4.ops._triton import tl, triton
 from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
-from qat4.ops.w4_linear import (  # noqa: F401  (the references are this module's references too)
-    GELU_PAIRS, GELU_UP, PLAIN, _argmax_reduce_kernel, _check, _interpreting, _sm_count, _softcap, _split_last,
-    _unit_columns, store_tile, w4_argmax_reference, w4_linear_gelu_reference, w4_linear_reference, w4_logits_reference,
+from qat4.ops.w4.common import (
+    GELU_PAIRS, GELU_UP, PLAIN, _softcap, argmax_reduce_kernel, interpreting, sm_count, split_last, store_tile,
+    unit_columns,
 )
+from qat4.ops.w4.reference import check
 
 TILING_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_G", "SPLIT_K", "PREFETCH", "num_warps", "num_stages")
 _MAX_SPLIT = 16  # the last program of a tile adds this many partials at most (unrolled)
@@ -162,7 +164,7 @@ def _tile_dot(words, steps, xt, acc, DOT_F32: tl.constexpr):
     w = words.to(tl.uint32, bitcast=True)
     lo = w << 8  # nibbles 0, 1 at bits 8..15
     hi = w >> 12  # nibbles 5, 6, 7 at bits 8..19
-    x0, x1, x2, x3, x4, x5, x6, x7 = _split_last(xt, 8)
+    x0, x1, x2, x3, x4, x5, x6, x7 = split_last(xt, 8)
     acc = _plane_dot(_nibble_times_step(lo, 2, s, b2), x0, acc, DOT_F32)
     acc = _plane_dot(_nibble_times_step(w, 2, s, b2), x2, acc, DOT_F32)
     acc = _plane_dot(_nibble_times_step(hi, 2, s, b2), x5, acc, DOT_F32)
@@ -372,7 +374,7 @@ def _split_for(n: int, g: int, m: int, tile: dict, sm_count: int) -> int:
 
 
 def _sms(device) -> int:
-    return _sm_count(torch.device(device)) if device is not None else 1
+    return sm_count(torch.device(device)) if device is not None else 1
 
 
 def batch_tiling(n: int, k: int, m: int, device=None, *, sm_count: int | None = None) -> dict:
@@ -473,7 +475,7 @@ def _launch(x, packed, scales, out, *, epilogue=PLAIN, up=None, softcap=None, id
         return tiling
     locks, partials = batch_scratch(x.device)
     grid = (triton.cdiv(m, tiling["BLOCK_M"]), triton.cdiv(n, tiling["BLOCK_N"]), tiling["SPLIT_K"])
-    dot_f32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _interpreting())
+    dot_f32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interpreting())
     _batch_kernel[grid](
         x, packed, scales, out, out if idx is None else idx, out if up is None else up, partials, locks,
         m, n, kw // 4, x.stride(0), out.stride(0), 0 if up is None else up.stride(0),
@@ -487,8 +489,8 @@ def _launch(x, packed, scales, out, *, epilogue=PLAIN, up=None, softcap=None, id
 
 
 def _operands(x, packed, scales):
-    _check(x, packed, scales)
-    return _unit_columns(x), packed.contiguous(), scales.contiguous()
+    check(x, packed, scales)
+    return unit_columns(x), packed.contiguous(), scales.contiguous()
 
 
 def _output(out, shape, dtype, device):
@@ -502,7 +504,8 @@ def _output(out, shape, dtype, device):
 
 def w4_batch_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *, out: torch.Tensor | None = None,
                     config: dict | None = None) -> torch.Tensor:
-    """x [M, K] @ W.T -> [M, N] in x.dtype, fp32 accumulation (:func:`w4_linear_reference`).
+    """x [M, K] @ W.T -> [M, N] in x.dtype, fp32 accumulation
+    (:func:`~qat4.ops.w4.reference.w4_linear_reference`).
 
     `out` [M, N] (x.dtype, unit column stride) may be given, e.g. a CUDA graph's buffer; `config`
     pins keys of :func:`batch_tiling`'s tiling.
@@ -515,9 +518,9 @@ def w4_batch_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 
 def w4_batch_linear_gelu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, up: torch.Tensor | None = None,
                          *, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """The GELU-gated layer of :func:`w4_linear_gelu_reference`, the gate in the epilogue: without
-    `up` W's rows alternate gate and up and the result is [M, N / 2]; with `up` [M, N] (unit
-    column stride, any row stride), gelu(y) * up [M, N]."""
+    """The GELU-gated layer of :func:`~qat4.ops.w4.reference.w4_linear_gelu_reference`, the gate
+    in the epilogue: without `up` W's rows alternate gate and up and the result is [M, N / 2];
+    with `up` [M, N] (unit column stride, any row stride), gelu(y) * up [M, N]."""
     x, packed, scales = _operands(x, packed, scales)
     (m, _), n = x.shape, packed.shape[0]
     if up is None and n % 2:
@@ -525,14 +528,14 @@ def w4_batch_linear_gelu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Te
     if up is not None and tuple(up.shape) != (m, n):
         raise ValueError(f"up must be [{m}, {n}], got {tuple(up.shape)}")
     out = _output(out, (m, n if up is not None else n // 2), x.dtype, x.device)
-    _launch(x, packed, scales, out, epilogue=GELU_PAIRS if up is None else GELU_UP, up=_unit_columns(up), config=config)
+    _launch(x, packed, scales, out, epilogue=GELU_PAIRS if up is None else GELU_UP, up=unit_columns(up), config=config)
     return out
 
 
 def w4_batch_logits(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float | None = 30.0,
                     *, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """The output layer, fp32 logits [M, N] = softcap * tanh((x @ W.T) / softcap), or x @ W.T in
-    fp32 when softcap is None (:func:`w4_logits_reference`)."""
+    fp32 when softcap is None (:func:`~qat4.ops.w4.reference.w4_logits_reference`)."""
     x, packed, scales = _operands(x, packed, scales)
     out = _output(out, (x.shape[0], packed.shape[0]), torch.float32, x.device)
     _launch(x, packed, scales, out, softcap=softcap, config=config)
@@ -542,9 +545,10 @@ def w4_batch_logits(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 def w4_batch_argmax(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, softcap: float | None = 30.0,
                     *, config: dict | None = None) -> torch.Tensor:
     """Greedy tokens, int64 [M]: the first maximum per row of :func:`w4_batch_logits` (bit for bit,
-    for the same tiling) without writing the logits (:func:`w4_argmax_reference`). Each program
-    keeps its block's maximum and first column; :func:`_argmax_reduce_kernel` picks per row the
-    first block holding the overall maximum."""
+    for the same tiling) without writing the logits
+    (:func:`~qat4.ops.w4.reference.w4_argmax_reference`). Each program keeps its block's maximum
+    and first column; :func:`~qat4.ops.w4.common.argmax_reduce_kernel` picks per row the first
+    block holding the overall maximum."""
     x, packed, scales = _operands(x, packed, scales)
     (m, k), n = x.shape, packed.shape[0]
     tiling = _resolve(config, n, k, m, x.device)
@@ -555,6 +559,6 @@ def w4_batch_argmax(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     top = torch.empty(m, dtype=torch.int64, device=x.device)
     if m:
         block = min(16384, triton.next_power_of_2(n_blocks))
-        _argmax_reduce_kernel[(m,)](pmax, pidx, top, n_blocks, BLOCK=block, num_warps=16 if block >= 8192 else 4,
-                                    **pdl_launch(x, m))
+        argmax_reduce_kernel[(m,)](pmax, pidx, top, n_blocks, BLOCK=block, num_warps=16 if block >= 8192 else 4,
+                                   **pdl_launch(x, m))
     return top

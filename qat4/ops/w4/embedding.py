@@ -13,7 +13,7 @@ from qat4.checkpoint.packing import dequantize
 from qat4.ops import use_triton
 from qat4.ops._triton import tl, triton
 from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
-from qat4.ops.w4_linear import unpack_levels
+from qat4.ops.w4.common import unpack_levels
 
 
 def w4_embedding_reference(ids: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, scale: float,
