@@ -255,3 +255,12 @@ TINY = E2B.replace(
 )
 
 PRESETS = {"tiny": TINY, "e2b": E2B}
+SYNTHETIC = "synthetic:"  # --model synthetic:PRESET: random on-grid weights of a preset
+
+
+def synthetic_config(model: str) -> Gemma4Config:
+    """The preset config of a `synthetic:PRESET` --model; an unknown preset is a Qat4Error."""
+    preset = model[len(SYNTHETIC):]
+    if preset not in PRESETS:
+        raise Qat4Error(f"--model {model}: unknown synthetic preset; use one of {', '.join(SYNTHETIC + p for p in PRESETS)}")
+    return PRESETS[preset]

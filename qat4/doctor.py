@@ -10,6 +10,7 @@ without data.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import shutil
@@ -32,9 +33,8 @@ from qat4.checkpoint.hub import hub_cache_dir, hub_offline
 from qat4.checkpoint.loader import open_checkpoint
 from qat4.checkpoint.packed_model import PackedModel, TensorSpec, expected_tensors
 from qat4.checkpoint.packing import GROUP, PER_WORD, PackedTensor
-from qat4.commands.bench import SYNTHETIC, synthetic_config
 from qat4.commands.model_args import DEVICES, resolve_device
-from qat4.config import E2B, Gemma4Config
+from qat4.config import E2B, SYNTHETIC, Gemma4Config, synthetic_config
 from qat4.engine.config import MAX_CTX_DEFAULT, EngineConfig
 from qat4.engine.kv_cache import pool_nbytes
 from qat4.engine.memory import MIB, Plan, decode_nbytes, default_dtype, model_nbytes, plan
@@ -115,8 +115,8 @@ def passed(checks: list[Check]) -> bool:
 
 def check_options(*, memory_cap_mib: float | None, device: str | None, max_ctx: int | None) -> None:
     """Raise Qat4Error, naming the flag, for an option no check can use."""
-    if memory_cap_mib is not None and not memory_cap_mib > 0:
-        raise Qat4Error(f"--memory-cap-mib is {memory_cap_mib:g}; it must be a positive number of MiB")
+    if memory_cap_mib is not None and not (math.isfinite(memory_cap_mib) and memory_cap_mib > 0):
+        raise Qat4Error(f"--memory-cap-mib is {memory_cap_mib:g}; it must be a finite positive number of MiB")
     if max_ctx is not None and max_ctx < 1:
         raise Qat4Error(f"--max-ctx is {max_ctx}; it must be at least 1 token")
     if device is not None and device not in DEVICES:
@@ -375,19 +375,19 @@ def available_ram() -> tuple[int, str]:
 
 def memory_budget(device: torch.device, memory_cap_mib: float | None) -> tuple[int, str]:
     """Bytes the model and its KV cache may take on ``device``, and a phrase saying whose figure it
-    is: the cap, else what the GPU has free, else the RAM available (capped when a cap is given).
-    A cap above what the GPU has is a Qat4Error."""
-    cap = None if memory_cap_mib is None else int(memory_cap_mib * MIB)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        if cap is not None and cap > total:
-            raise Qat4Error(f"--memory-cap-mib is {memory_cap_mib:g}; the GPU has {total / MIB:,.0f} MiB")
-        return (cap, "under --memory-cap-mib") if cap is not None else (free, "free on the GPU")
-    ram, source = available_ram()
-    if cap is not None and cap < ram:
-        return cap, (f"under --memory-cap-mib (of {ram / MIB:,.0f} MiB RAM available; qat4 serve takes that cap "
-                     "on CUDA only)")
-    return ram, f"RAM available ({source})"
+    is: the cap, else what the GPU has free, else the RAM available. A cap off a GPU, or above what
+    the GPU has, is a Qat4Error, as qat4 serve refuses it."""
+    if device.type != "cuda":
+        if memory_cap_mib is not None:
+            raise Qat4Error(f"--memory-cap-mib applies to CUDA devices only; qat4 serve on {device.type} refuses it")
+        ram, source = available_ram()
+        return ram, f"RAM available ({source})"
+    free, total = torch.cuda.mem_get_info(device)
+    if memory_cap_mib is None:
+        return free, "free on the GPU"
+    if memory_cap_mib * MIB > total:
+        raise Qat4Error(f"--memory-cap-mib is {memory_cap_mib:g}; the GPU has {total / MIB:,.0f} MiB")
+    return int(memory_cap_mib * MIB), "under --memory-cap-mib"
 
 
 def footprint(shapes: PackedModel, resolved: Plan, block_size: int) -> dict[str, int]:
@@ -406,7 +406,7 @@ def fit(shapes: PackedModel, device: torch.device, max_ctx: int, memory_cap_mib:
     """qat4's memory plan for one sequence of ``max_ctx`` tokens and its footprint; Qat4Error when
     it does not fit: on CUDA as the plan decides (under the cap, else in the GPU's free memory), on
     the CPU, where the plan sets no limit, when the footprint exceeds the ``budget``."""
-    config = EngineConfig(max_ctx=max_ctx, max_num_seqs=1, memory_cap_mib=memory_cap_mib if device.type == "cuda" else None)
+    config = EngineConfig(max_ctx=max_ctx, max_num_seqs=1, memory_cap_mib=memory_cap_mib)
     resolved = plan(shapes, device, config)
     parts = footprint(shapes, resolved, config.block_size)
     if device.type != "cuda" and sum(parts.values()) > budget[0]:
@@ -447,9 +447,13 @@ def largest_context(fits: Callable[[int], bool], top: int, step: int) -> int:
 def check_context(found: ModelFacts, device: torch.device, *, memory_cap_mib: float | None,
                   max_ctx: int | None) -> Check:
     """The largest context (one sequence, up to the model's maximum) that fits beside the model on
-    ``device``; with --max-ctx, whether that one fits; without, whether the default one does."""
+    ``device``; with --max-ctx, whether that one (capped at the model's maximum, as the engine
+    caps it) fits; without, whether the default one does. A --memory-cap-mib qat4 serve refuses fails."""
     shapes = shape_model(found.config)
-    budget = memory_budget(device, memory_cap_mib)
+    try:
+        budget = memory_budget(device, memory_cap_mib)
+    except Qat4Error as exc:
+        return Check("context", "fail", str(exc))
     step = EngineConfig().block_size
 
     top = found.config.max_position_embeddings
@@ -472,9 +476,10 @@ def check_context(found: ModelFacts, device: torch.device, *, memory_cap_mib: fl
     most = " (the model's maximum)" if best == top else ""
     detail = f"up to {best:,} tokens{most} fit {found.label}: {sizes}; {budget[0] / MIB:,.0f} MiB {budget[1]}"
     if max_ctx is not None:
-        if max_ctx > best:
-            return Check("context", "fail", f"--max-ctx {max_ctx:,} does not fit; {detail}")
-        return Check("context", "ok", f"--max-ctx {max_ctx:,} fits; {detail}")
+        asked = f"--max-ctx {max_ctx:,}" + (f" (capped at the model's maximum, {top:,})" if max_ctx > top else "")
+        if min(max_ctx, top) > best:
+            return Check("context", "fail", f"{asked} does not fit; {detail}")
+        return Check("context", "ok", f"{asked} fits; {detail}")
     default = min(top, MAX_CTX_DEFAULT)
     if default > best:
         return Check("context", "warn", f"the default context, {default:,} tokens, does not fit: pass --max-ctx {best}; "

@@ -1,6 +1,6 @@
 """`qat4 serve` child processes: their command line, the wait until they answer, their stop.
 
-A server counts as ready once `GET /health` answers 200. It is stopped with SIGTERM, which qat4
+A server counts as ready once `GET /health` answers 200 (from the child's own pid, when that is known). It is stopped with SIGTERM, which qat4
 serve answers by ending its open replies within 5 s, and killed if it is still there after a
 grace period. `qat4 bench serve` runs one for the length of a benchmark (`ServerProcess`);
 `qat4 serve --detach` (qat4.server_control) starts one that outlives it.
@@ -27,6 +27,7 @@ STARTUP_TIMEOUT_S = 600.0  # a Hub checkpoint may download first
 STOP_GRACE_S = 15.0
 KILL_WAIT_S = 10.0  # how long a SIGKILLed process may take to go
 POLL_INTERVAL_S = 0.2
+HEALTH_TIMEOUT_S = 2.0
 OUTPUT_TAIL_CHARS = 3000
 
 
@@ -56,21 +57,40 @@ def output_tail(output: IO[bytes], start: int = 0) -> str:
     return output.read().decode(errors="replace").rstrip() or "(nothing)"
 
 
+def fetch_health(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> httpx.Response | None:
+    """GET url/health, or None when nothing answers."""
+    try:
+        return httpx.get(f"{url}/health", timeout=timeout_s)
+    except httpx.TransportError:
+        return None
+
+
+def _answers_healthy(url: str, pid: int | None) -> bool:
+    """Whether url/health answers 200, and reports `pid` when that is given (not another program on the port)."""
+    response = fetch_health(url)
+    if response is None or response.status_code != 200:
+        return False
+    if pid is None:
+        return True
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("pid") == pid
+
+
 def wait_for_health(url: str, exit_code: Callable[[], int | None], last_output: Callable[[], str],
-                    timeout_s: float) -> None:
-    """Return once `url/health` answers 200; raise Qat4Error with the server's `last_output()` if
-    `exit_code()` says it exited first, or if `timeout_s` passes."""
+                    timeout_s: float, pid: int | None = None) -> None:
+    """Return once `url/health` answers 200 (reporting `pid`, when that is given); raise Qat4Error
+    with the server's `last_output()` if `exit_code()` says it exited first, or if `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     while True:
         code = exit_code()
         if code is not None:
             raise Qat4Error(f"the server exited with status {code} before {url}/health answered; "
                             f"its last output:\n{last_output()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
+        if _answers_healthy(url, pid):
+            return
         if time.monotonic() > deadline:
             raise Qat4Error(f"the server did not answer {url}/health within {timeout_s:g} s; "
                             f"its last output:\n{last_output()}")
@@ -107,7 +127,8 @@ def terminate_then_kill(process: Stoppable, grace_s: float) -> bool:
 class ServerProcess:
     """A server child process, used as `with ServerProcess(cmd, url) as server: ...`.
 
-    `url` is where the command will listen; entering waits until `url/health` answers (raising
+    `url` is where the command will listen; entering waits until `url/health` answers with the
+    child's pid (raising
     Qat4Error with the end of the child's output if it exits or takes longer than
     `startup_timeout_s`); leaving stops it.
     """
@@ -125,7 +146,7 @@ class ServerProcess:
         self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self._output,
                                         stderr=subprocess.STDOUT, env=self.env)
         try:
-            wait_for_health(self.url, self.process.poll, self.output_tail, self.startup_timeout_s)
+            wait_for_health(self.url, self.process.poll, self.output_tail, self.startup_timeout_s, self.process.pid)
         except BaseException:
             self.stop()
             raise

@@ -4,8 +4,9 @@
 from /dev/null, output appended to a log file) and writes a pid file, a JSON object with the
 fields of :class:`PidFile`, under the state directory (:func:`state_dir`), named by port.
 `qat4 status` and `qat4 stop` find the server by it. A pid file is obeyed only while its pid is
-a running qat4 serve, as the process's command line (/proc/PID/cmdline, Linux) says; otherwise it
-is stale and removed.
+the process it recorded: a running `qat4 serve` (/proc/PID/cmdline, Linux) that started when the
+pid file says (/proc/PID/stat), so not another process that took the pid over; otherwise it is stale
+and removed.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ from pathlib import Path
 import httpx
 
 from qat4.errors import Qat4Error
-from qat4.serve_process import POLL_INTERVAL_S, output_tail, terminate_then_kill, wait_for_health
+from qat4.serve_process import POLL_INTERVAL_S, fetch_health, output_tail, terminate_then_kill, wait_for_health
 
 STATE_DIR_ENV = "QAT4_STATE_DIR"
+DEFAULT_PORT = 8100
 LOOPBACK = "127.0.0.1"
+LOOPBACK_V6 = "::1"
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-HEALTH_TIMEOUT_S = 2.0
 PROBE_TIMEOUT_S = 1.0  # a program holding the port may never answer HTTP
 FAILED_START_GRACE_S = 5.0
 
@@ -55,18 +57,25 @@ def default_log_file(port: int) -> Path:
     return state_dir() / f"serve-{port}.log"
 
 
+def check_port(port: int) -> None:
+    """Raise Qat4Error, naming --port, for a port no server can listen on."""
+    if not 0 < port < 65536:
+        raise Qat4Error(f"--port must be 1 to 65535, got {port}")
+
+
 def url_for(host: str, port: int) -> str:
     """The URL a client on this machine reaches a server listening on host:port by (a wildcard
-    address by loopback)."""
+    address by the loopback address of its family: uvicorn listens on IPv6 only for `::`)."""
     if host in WILDCARD_HOSTS:
-        host = LOOPBACK
+        host = LOOPBACK_V6 if host == "::" else LOOPBACK
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 @dataclass
 class PidFile:
     """The pid file of a detached server, at `path`: its pid, where it listens, its model, its log
-    file, when it started (unix time) and its command line."""
+    file, when it started (unix time), its command line, and its start in clock ticks since boot
+    (:func:`process_start`; None in pid files of older qat4 versions)."""
 
     path: Path
     pid: int
@@ -77,6 +86,7 @@ class PidFile:
     log_file: str
     started: float
     command: list[str]
+    start_ticks: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.pid, int) or isinstance(self.pid, bool) or self.pid < 1:
@@ -87,7 +97,8 @@ class PidFile:
         """The pid file at `path`, or None when there is none."""
         try:
             data = json.loads(path.read_text())
-            return cls(path, **{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name != "path"})
+            return cls(path, **{f.name: data[f.name] for f in dataclasses.fields(cls)
+                                if f.name != "path" and (f.name in data or f.default is dataclasses.MISSING)})
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -125,12 +136,37 @@ class PidFile:
 
 
 def _is_qat4_serve(argv: list[str]) -> bool:
-    """Whether a command line is `qat4 serve` (the console script or `python -m qat4.cli serve`)."""
-    return "serve" in argv[1:] and any("qat4" in arg for arg in argv)
+    """Whether a command line is `qat4 serve ...`: `serve` the subcommand right after the console
+    script or `-m qat4.cli`."""
+    for i, arg in enumerate(argv[:-1]):
+        if Path(arg).name == "qat4" or (arg == "qat4.cli" and i > 0 and argv[i - 1] == "-m"):
+            return argv[i + 1] == "serve"
+    return False
 
 
-def stale_reason(pid: int) -> str | None:
-    """None when `pid` is a running qat4 serve; else why not, as the end of a sentence."""
+def _serve_port(argv: list[str]) -> int | None:
+    """The port a `qat4 serve` command line names (DEFAULT_PORT when none); None when it is no number."""
+    value = str(DEFAULT_PORT)
+    for i, arg in enumerate(argv):
+        if arg == "--port" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--port="):
+            value = arg.partition("=")[2]
+    return int(value) if value.isdigit() else None
+
+
+def process_start(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot (field 22 of /proc/PID/stat); None when it is not running."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(stat.rpartition(")")[2].split()[19])
+
+
+def stale_reason(pid: int, *, start_ticks: int | None = None, port: int | None = None) -> str | None:
+    """None when `pid` is a running qat4 serve, one that started at `start_ticks` and listens on
+    `port` when these are given; else why not, as the end of a sentence."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
     except (FileNotFoundError, ProcessLookupError):
@@ -139,21 +175,25 @@ def stale_reason(pid: int) -> str | None:
         return f"whose command line cannot be read ({exc.strerror})"
     if not argv:  # exited, not yet collected by its parent
         return "which is not running"
-    if _is_qat4_serve(argv):
-        return None
-    return f"which is now another program ({shlex.join(argv)[:80]})"
+    if not _is_qat4_serve(argv):
+        return f"which is now another program ({shlex.join(argv)[:80]})"
+    if start_ticks is not None and process_start(pid) != start_ticks:
+        return "which is now another qat4 serve (it started after the pid file was written)"
+    if port is not None and _serve_port(argv) != port:
+        return f"which is a qat4 serve of another port ({shlex.join(argv)[:80]})"
+    return None
 
 
 def live_pid_file(path: Path) -> tuple[PidFile | None, str | None]:
-    """The pid file at `path` when its pid is a running qat4 serve, else None; a stale one is
-    removed, and the second value then says so in a sentence."""
+    """The pid file at `path` when its pid is the running qat4 serve it recorded, else None; a stale
+    one is removed, and the second value then says so in a sentence."""
     record = PidFile.read(path)
     if record is None:
         return None, None
-    reason = stale_reason(record.pid)
+    reason = stale_reason(record.pid, start_ticks=record.start_ticks)
     if reason is None:
         return record, None
-    path.unlink(missing_ok=True)
+    record.remove()
     return None, f"pid file {path} names pid {record.pid}, {reason}; removed it"
 
 
@@ -200,14 +240,6 @@ def stop_pid(pid: int, timeout_s: float) -> bool:
     return terminate_then_kill(ProcessById(pid), timeout_s)
 
 
-def fetch_health(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> httpx.Response | None:
-    """GET url/health, or None when nothing answers."""
-    try:
-        return httpx.get(f"{url}/health", timeout=timeout_s)
-    except httpx.TransportError:
-        return None
-
-
 def health_body(response: httpx.Response) -> dict | None:
     """The JSON object of a qat4 server's /health answer (200 or 503), or None for anything else."""
     if response.status_code not in (200, 503):
@@ -250,7 +282,7 @@ def _log_tail(path: Path, start: int) -> str:
 def start_detached(command: list[str], *, env: dict[str, str], host: str, port: int, model: str, pid_path: Path,
                    log_path: Path, startup_timeout_s: float) -> PidFile:
     """Start `command` (a qat4 serve) in a session of its own with its output appended to `log_path`,
-    write its pid file at `pid_path`, and return that once url/health answers 200. When the server
+    write its pid file at `pid_path`, and return that once url/health answers 200 with the child's pid. When the server
     exits or does not answer within `startup_timeout_s` (or this process is interrupted), it is
     stopped, its pid file removed, and a Qat4Error carries the end of its log."""
     url = url_for(host, port)
@@ -265,11 +297,12 @@ def start_detached(command: list[str], *, env: dict[str, str], host: str, port: 
         start = log.tell()
         child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                  env={**env, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-    record = PidFile(pid_path, child.pid, host, port, url, model, str(log_path), time.time(), command)
+    record = PidFile(pid_path, child.pid, host, port, url, model, str(log_path), time.time(), command,
+                     process_start(child.pid))
     try:
         record.write()
         print(f"qat4 serve: started pid {child.pid}, waiting for {url}/health (log: {log_path})", file=sys.stderr)
-        wait_for_health(url, child.poll, partial(_log_tail, log_path, start), startup_timeout_s)
+        wait_for_health(url, child.poll, partial(_log_tail, log_path, start), startup_timeout_s, child.pid)
     except BaseException:
         if child.poll() is None:
             terminate_then_kill(child, FAILED_START_GRACE_S)

@@ -104,31 +104,59 @@ def test_synthetic_presets_need_no_file_and_unknown_ones_fail():
     assert model.status == "fail" and "unknown synthetic preset" in model.detail
 
 
-def test_memory_cap_lowers_the_context_to_the_largest_the_plan_fits():
+def test_short_memory_lowers_the_context_to_the_largest_the_plan_fits(monkeypatch):
     full = by_name(diagnose("synthetic:e2b"))["context"]
     assert full.status == "ok" and context_tokens(full) == 131_072
-    capped = by_name(diagnose("synthetic:e2b", memory_cap_mib=3500))["context"]
+    monkeypatch.setattr(doctor, "available_ram", lambda: (3500 * MIB, "MemAvailable"))
+    capped = by_name(diagnose("synthetic:e2b"))["context"]
     tokens = context_tokens(capped)
     assert 0 < tokens < 131_072 and tokens % 16 == 0
     assert capped.status == "warn" and f"pass --max-ctx {tokens}" in capped.detail
-    assert "3,500 MiB under --memory-cap-mib" in capped.detail
+    assert "3,500 MiB RAM available (MemAvailable)" in capped.detail
     # the largest: one more KV block does not fit
-    shapes, cpu, budget = doctor.shape_model(doctor.E2B), torch.device("cpu"), (3500 * MIB, "under the cap")
-    doctor.fit(shapes, cpu, tokens, 3500, budget)
+    shapes, cpu, budget = doctor.shape_model(doctor.E2B), torch.device("cpu"), (3500 * MIB, "RAM available")
+    doctor.fit(shapes, cpu, tokens, None, budget)
     with pytest.raises(doctor.Qat4Error, match="need"):
-        doctor.fit(shapes, cpu, tokens + 16, 3500, budget)
+        doctor.fit(shapes, cpu, tokens + 16, None, budget)
 
 
-def test_max_ctx_that_does_not_fit_fails_and_one_that_does_passes():
-    assert by_name(diagnose("synthetic:e2b", memory_cap_mib=3500, max_ctx=131_072))["context"].status == "fail"
-    assert by_name(diagnose("synthetic:e2b", memory_cap_mib=3500, max_ctx=4096))["context"].status == "ok"
+def test_max_ctx_that_does_not_fit_fails_and_one_that_does_passes(monkeypatch):
+    monkeypatch.setattr(doctor, "available_ram", lambda: (3500 * MIB, "MemAvailable"))
+    assert by_name(diagnose("synthetic:e2b", max_ctx=131_072))["context"].status == "fail"
+    assert by_name(diagnose("synthetic:e2b", max_ctx=4096))["context"].status == "ok"
 
 
-def test_a_cap_below_the_model_fails_with_the_numbers():
-    context = by_name(diagnose("synthetic:tiny", memory_cap_mib=10))["context"]
+def test_max_ctx_above_the_models_maximum_is_capped_as_the_engine_caps_it():
+    context = by_name(diagnose("synthetic:tiny", max_ctx=1_000_000))["context"]
+    assert context.status == "ok"
+    assert context.detail.startswith("--max-ctx 1,000,000 (capped at the model's maximum, 4,096) fits; ")
+
+
+def test_memory_too_small_for_the_model_fails_with_the_numbers(monkeypatch):
+    monkeypatch.setattr(doctor, "available_ram", lambda: (10 * MIB, "MemAvailable"))
+    context = by_name(diagnose("synthetic:tiny"))["context"]
     assert context.status == "fail"
     assert context.detail.startswith("not even 16 tokens fit for synthetic:tiny: the model (")
-    assert "only 10 MiB under --memory-cap-mib" in context.detail
+    assert "only 10 MiB RAM available (MemAvailable)" in context.detail
+
+
+def test_a_memory_cap_off_a_gpu_fails_as_qat4_serve_refuses_it():
+    context = by_name(diagnose("synthetic:tiny", memory_cap_mib=3500, device="cpu"))["context"]
+    assert (context.status, context.detail) == ("fail", "--memory-cap-mib applies to CUDA devices only; qat4 serve "
+                                                        "on cpu refuses it")
+
+
+def test_a_cap_above_the_gpus_memory_is_a_failed_context_check(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (20 * GIB, 24 * GIB))
+    found = doctor.inspect_model("synthetic:tiny")
+    context = doctor.check_context(found, torch.device("cuda", 0), memory_cap_mib=10**6, max_ctx=None)
+    assert (context.status, context.detail) == ("fail", "--memory-cap-mib is 1e+06; the GPU has 24,576 MiB")
+
+
+def test_synthetic_presets_live_beside_the_presets():
+    from qat4.config import PRESETS, synthetic_config
+
+    assert synthetic_config("synthetic:tiny") is PRESETS["tiny"]
 
 
 def test_largest_context_bisects_over_multiples_of_the_block():
@@ -219,7 +247,9 @@ def test_device_cuda_without_a_gpu_is_a_failed_check(capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--memory-cap-mib", "-5"], "--memory-cap-mib is -5; it must be a positive number of MiB"),
+    (["--memory-cap-mib", "-5"], "--memory-cap-mib is -5; it must be a finite positive number of MiB"),
+    (["--memory-cap-mib", "inf"], "--memory-cap-mib is inf; it must be a finite positive number of MiB"),
+    (["--memory-cap-mib", "1e400"], "--memory-cap-mib is inf; it must be a finite positive number of MiB"),
     (["--max-ctx", "0"], "--max-ctx is 0; it must be at least 1 token"),
 ])
 def test_bad_flags_are_one_line(flags, message, capsys):

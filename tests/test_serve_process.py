@@ -12,12 +12,12 @@ from qat4.errors import Qat4Error
 from qat4.serve_process import ServerProcess, free_port, serve_command
 
 HEALTHY_SERVER = """
-import http.server, signal, sys
+import http.server, json, os, signal, sys
 if "--ignore-term" in sys.argv:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+        self.send_response(200); self.end_headers(); self.wfile.write(json.dumps({"pid": os.getpid()}).encode())
     def log_message(self, *args):
         pass
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()

@@ -28,24 +28,29 @@ from qat4.errors import Qat4Error
 from qat4.serve_process import free_port, wait_for_health
 from qat4.server.app import create_app
 from qat4.server.process_info import ProcessInfo
-from qat4.server_control import PidFile, live_pid_file, stale_reason
+from qat4.server_control import LOOPBACK, PidFile, live_pid_file, process_start, stale_reason, url_for
 
 HEALTH_IDENTITY = {"pid", "version", "device", "device_name", "uptime_s", "max_ctx", "max_num_seqs"}
 
-# An HTTP server whose command line (`python -c CODE PORT qat4 serve`) reads like qat4 serve's and whose
-# /health reports its pid; with --ignore-term it ignores SIGTERM.
+# An HTTP server whose command line (`python -c CODE qat4 serve --port N [--host H]`) reads like qat4 serve's
+# and whose /health reports its pid (or --health-pid P's); with --ignore-term it ignores SIGTERM.
 FAKE_SERVE = """
-import http.server, json, os, signal, sys
+import http.server, json, os, signal, socket, sys
+def flag(name, default):
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
 if "--ignore-term" in sys.argv:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+host, pid = flag("--host", "127.0.0.1"), int(flag("--health-pid", os.getpid()))
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        body = json.dumps({"status": "ok", "model": "fake", "pid": os.getpid()}).encode()
+        body = json.dumps({"status": "ok", "model": "fake", "pid": pid}).encode()
         self.send_response(200); self.send_header("Content-Type", "application/json"); self.end_headers()
         self.wfile.write(body)
     def log_message(self, *args):
         pass
-http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+class Server(http.server.HTTPServer):
+    address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+Server((host, int(flag("--port", 0))), Health).serve_forever()
 """
 
 
@@ -74,16 +79,18 @@ def spawn():
             process.wait()
 
 
-def fake_serve(spawn, port: int, *flags: str) -> subprocess.Popen:
-    """FAKE_SERVE on `port`, once it answers."""
-    process = spawn([sys.executable, "-c", FAKE_SERVE, str(port), "qat4", "serve", *flags])
-    wait_for_health(f"http://127.0.0.1:{port}", process.poll, lambda: "", timeout_s=30)
+def fake_serve(spawn, port: int, *flags: str, host: str = "127.0.0.1") -> subprocess.Popen:
+    """FAKE_SERVE on host:port, once it answers."""
+    process = spawn([sys.executable, "-c", FAKE_SERVE, "qat4", "serve", "--port", str(port), "--host", host, *flags])
+    wait_for_health(url_for(host, port), process.poll, lambda: "", timeout_s=30)
     return process
 
 
-def write_pid_file(path: Path, pid: int, port: int) -> None:
-    PidFile(path, pid, "127.0.0.1", port, f"http://127.0.0.1:{port}", "m", str(path.with_suffix(".log")), 0.0,
-            ["qat4", "serve"]).write()
+def write_pid_file(path: Path, pid: int, port: int, host: str = "127.0.0.1", **fields) -> None:
+    """A pid file for `pid`, recording its start unless `fields` say otherwise."""
+    fields = {"start_ticks": process_start(pid), **fields}
+    PidFile(path, pid, host, port, url_for(host, port), "m", str(path.with_suffix(".log")), 0.0,
+            ["qat4", "serve"], **fields).write()
 
 
 def one_line(text: str) -> str:
@@ -223,6 +230,20 @@ def test_the_detached_server_gets_the_same_flags_and_the_api_key_in_its_environm
     assert (args.detach, args.log_file, args.log_level) == (False, None, "info")
 
 
+def test_the_detached_server_does_not_inherit_an_api_key_the_flag_clears(state, monkeypatch, capsys):
+    seen = {}
+
+    def start_detached(command, *, env, **where):
+        seen.update(env=env)
+        return PidFile(where["pid_path"], 4321, where["host"], where["port"], "http://127.0.0.1:8555", "m",
+                       str(where["log_path"]), 0.0, command)
+
+    monkeypatch.setattr(server_control, "start_detached", start_detached)
+    monkeypatch.setenv("QAT4_API_KEY", "inherited")
+    assert main(["serve", "--detach", "--model", "m", "--device", "cpu", "--port", "8555", "--api-key", ""]) == 0
+    assert "QAT4_API_KEY" not in seen["env"]
+
+
 def test_a_pid_file_is_written_whole_and_never_over_another(tmp_path):
     path = tmp_path / "serve-1.pid"
     write_pid_file(path, 1234, 1)
@@ -247,7 +268,7 @@ def test_a_pid_file_whose_process_is_gone_is_removed(command, state, capsys):
     path, pid = state / f"serve-{port}.pid", _finished_pid()
     write_pid_file(path, pid, port)
     assert main([command, "--port", str(port)]) == 1
-    assert f"pid file {path} names pid {pid}, which is not running; removed it" in one_line(capsys.readouterr().err)
+    assert f"pid file {path} names pid {pid}, which is not running; removed it" in capsys.readouterr().err
     assert not path.exists()
 
 
@@ -258,7 +279,7 @@ def test_a_pid_file_naming_another_program_is_removed_and_the_program_left_alone
     write_pid_file(path, sleeper.pid, port)
     assert main([command, "--port", str(port)]) == 1
     assert (f"pid file {path} names pid {sleeper.pid}, which is now another program (sleep 60); removed it"
-            in one_line(capsys.readouterr().err))
+            in capsys.readouterr().err.splitlines()[0])
     assert not path.exists() and sleeper.poll() is None
 
 
@@ -284,6 +305,80 @@ def test_live_pid_file_keeps_a_running_qat4_serve(state, spawn):
     assert record.pid == process.pid and note is None
 
 
+def test_a_pid_file_is_stale_once_its_pid_is_another_process_or_not_qat4_serve(state, spawn):
+    """A pid taken over by another qat4 serve (a later start), or a command line where `serve` is
+    not the subcommand, is not the server the file recorded; a pid file without the start (older
+    qat4) is judged by the command line alone."""
+    port = free_port()
+    process = fake_serve(spawn, port)
+    write_pid_file(state / "later.pid", process.pid, port, start_ticks=process_start(process.pid) - 1)
+    assert live_pid_file(state / "later.pid") == (None, f"pid file {state / 'later.pid'} names pid {process.pid}, "
+                                                        "which is now another qat4 serve (it started after the pid "
+                                                        "file was written); removed it")
+    bench = spawn([sys.executable, "-c", "import time; time.sleep(60)", "qat4", "bench", "serve"])
+    write_pid_file(state / "bench.pid", bench.pid, port)
+    assert "which is now another program" in live_pid_file(state / "bench.pid")[1]
+    write_pid_file(state / "old.pid", process.pid, port, start_ticks=None)
+    assert live_pid_file(state / "old.pid")[0].pid == process.pid
+    assert process.poll() is None and bench.poll() is None
+
+
+def test_a_stale_pid_file_is_removed_only_while_it_names_the_stale_pid(state, monkeypatch):
+    """A server started meanwhile may have written its own pid file in the stale one's place."""
+    path, pid = state / "serve-1.pid", _finished_pid()
+    write_pid_file(path, pid, 1)
+
+    def replaced(stale_pid, **_):
+        path.unlink()
+        write_pid_file(path, os.getpid(), 1)
+        return "which is not running"
+
+    monkeypatch.setattr(server_control, "stale_reason", replaced)
+    assert live_pid_file(path)[0] is None and PidFile.read(path).pid == os.getpid()
+
+
+def test_url_for_reaches_a_wildcard_address_by_the_loopback_of_its_family():
+    assert [url_for(host, 80) for host in ("::", "0.0.0.0", "", "::1", "example.org")] == [
+        "http://[::1]:80", "http://127.0.0.1:80", "http://127.0.0.1:80", "http://[::1]:80", "http://example.org:80"]
+
+
+def test_status_port_asks_the_address_the_pid_file_records(state, spawn, capsys):
+    """A server on `::` listens on IPv6 only; its pid file records http://[::1]:PORT."""
+    port = free_port()
+    process = fake_serve(spawn, port, host="::1")
+    write_pid_file(state / f"serve-{port}.pid", process.pid, port, host="::")
+    assert main(["status", "--port", str(port)]) == 0
+    assert f"qat4 serve at http://[::1]:{port}/: ok" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["status", "--url", "http://localhost:abc"], "--url 'http://localhost:abc' is not a server address"),
+    (["status", "--url", "http://localhost:99999"], "--url 'http://localhost:99999' is not a server address"),
+    (["status", "--url", "http://[::1"], "--url 'http://[::1' is not a server address"),
+    (["status", "--port", "0"], "--port must be 1 to 65535, got 0"),
+    (["status", "--port", "70000"], "--port must be 1 to 65535, got 70000"),
+    (["stop", "--port", "-1"], "--port must be 1 to 65535, got -1"),
+    (["stop", "--timeout", "nan"], "--timeout must be a finite number of seconds, 0 or more, got nan"),
+])
+def test_bad_status_and_stop_flags_are_one_line(argv, message, state, capsys):
+    assert main(argv) == 1
+    assert one_line(capsys.readouterr().err).startswith(f"qat4 {argv[0]}: {message}")
+
+
+def test_a_bad_qat4_url_is_one_line(state, monkeypatch, capsys):
+    monkeypatch.setenv("QAT4_URL", "http://localhost:abc")
+    assert main(["status"]) == 1
+    assert one_line(capsys.readouterr().err).startswith("qat4 status: $QAT4_URL 'http://localhost:abc' is not")
+
+
+def test_the_startup_wait_wants_the_childs_pid_in_health(state, spawn):
+    port = free_port()
+    other = fake_serve(spawn, port)
+    with pytest.raises(Qat4Error, match="did not answer"):
+        wait_for_health(url_for(LOOPBACK, port), lambda: None, lambda: "", timeout_s=0.3, pid=os.getpid())
+    wait_for_health(url_for(LOOPBACK, port), lambda: None, lambda: "", timeout_s=5, pid=other.pid)
+
+
 def test_a_file_that_is_not_a_pid_file_is_named_and_kept(state, capsys):
     path = state / "notes.txt"
     path.write_text("my notes\n")
@@ -304,6 +399,27 @@ def test_stop_without_a_pid_file_stops_the_pid_health_reports(state, spawn, caps
     assert main(["stop", "--port", str(port)]) == 0
     assert one_line(capsys.readouterr().out).startswith(f"qat4 stop: stopped pid {process.pid} (gracefully")
     assert gone(process.pid)
+
+
+def test_stop_after_a_stale_pid_file_stops_the_pid_health_reports(state, spawn, capsys):
+    port = free_port()
+    path, pid = state / f"serve-{port}.pid", _finished_pid()
+    write_pid_file(path, pid, port)
+    process = fake_serve(spawn, port)
+    assert main(["stop", "--port", str(port)]) == 0
+    captured = capsys.readouterr()
+    assert one_line(captured.err) == f"qat4 stop: pid file {path} names pid {pid}, which is not running; removed it"
+    assert one_line(captured.out).startswith(f"qat4 stop: stopped pid {process.pid} (gracefully")
+
+
+def test_stop_leaves_a_qat4_serve_of_another_port_alone(state, spawn, capsys):
+    """/health on the port asked about reports the pid of a qat4 serve listening elsewhere."""
+    port, elsewhere = free_port(), free_port()
+    other = spawn([sys.executable, "-c", "import time; time.sleep(60)", "qat4", "serve", "--port", str(elsewhere)])
+    fake_serve(spawn, port, "--health-pid", str(other.pid))
+    assert main(["stop", "--port", str(port)]) == 1
+    assert f"reports pid {other.pid}, which is a qat4 serve of another port" in one_line(capsys.readouterr().err)
+    assert other.poll() is None
 
 
 def test_a_server_that_ignores_sigterm_is_killed_after_the_timeout(state, spawn, capsys):

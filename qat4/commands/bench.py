@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from qat4.commands.model_args import DEVICES, add_speculative_arguments, resolve_device, speculative_options
-from qat4.config import PRESETS, Gemma4Config
+from qat4.config import SYNTHETIC, synthetic_config
 from qat4.errors import Qat4Error
 
-SYNTHETIC = "synthetic:"
 DEFAULT_CONCURRENCY = "1,4,16,64"
 
 
@@ -175,14 +174,6 @@ def _int_list(text: str, flag: str, minimum: int, what: str) -> list[int]:
     if not values or min(values) < minimum:
         raise Qat4Error(f"{flag} must list {what}, got {text!r}")
     return values
-
-
-def synthetic_config(model: str) -> Gemma4Config:
-    """The preset config of a `synthetic:PRESET` --model; an unknown preset is a Qat4Error."""
-    preset = model[len(SYNTHETIC):]
-    if preset not in PRESETS:
-        raise Qat4Error(f"--model {model}: unknown synthetic preset; use one of {', '.join(SYNTHETIC + p for p in PRESETS)}")
-    return PRESETS[preset]
 
 
 def load_packed_for_bench(model: str, device, seed: int):

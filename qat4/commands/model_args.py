@@ -87,8 +87,9 @@ def load_engine(command: str, model: str, device: str, **options) -> Engine:
     import torch
 
     from qat4.checkpoint.loader import load_packed
-    from qat4.commands.bench import SYNTHETIC, load_packed_for_bench
+    from qat4.commands.bench import load_packed_for_bench
     from qat4.commands.progress import ProgressLine
+    from qat4.config import SYNTHETIC
     from qat4.engine import Engine
 
     if model.startswith(SYNTHETIC):

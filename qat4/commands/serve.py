@@ -20,8 +20,8 @@ from qat4.commands.model_args import add_model_arguments, add_speculative_argume
 from qat4.errors import Qat4Error
 from qat4.serve_process import STARTUP_TIMEOUT_S, serve_command
 from qat4.server.limits import CHARS_PER_CONTEXT_TOKEN, DEFAULT_MAX_MESSAGES, DEFAULT_MAX_TOOLS, RequestLimits
+from qat4.server_control import DEFAULT_PORT
 
-DEFAULT_PORT = 8100
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_MAX_QUEUE = 256
 HEADER_TIMEOUT_S = 10.0  # a request's line and headers must arrive within this long
@@ -159,8 +159,7 @@ def _check_arguments(args: argparse.Namespace) -> tuple[str, dict]:
         raise Qat4Error("--pid-file, --log-file and --startup-timeout go with --detach")
     if args.startup_timeout is not None and args.startup_timeout <= 0:
         raise Qat4Error(f"--startup-timeout must be more than 0 seconds, got {args.startup_timeout:g}")
-    if not 0 < args.port < 65536:
-        raise Qat4Error(f"--port must be 1 to 65535, got {args.port}")
+    control.check_port(args.port)
     return resolve_device(args.device), speculative_options(args)
 
 
@@ -199,7 +198,9 @@ def _run_detached(args: argparse.Namespace) -> int:
                         "or pick --port")
     command = serve_command(args.model, args.port, host=args.host, device=args.device, log_level=args.log_level,
                             extra_args=_forwarded_flags(args))
-    env = {**os.environ, "QAT4_API_KEY": args.api_key} if args.api_key else dict(os.environ)
+    env = {key: value for key, value in os.environ.items() if key != "QAT4_API_KEY"}
+    if args.api_key:
+        env["QAT4_API_KEY"] = args.api_key
     record = control.start_detached(command, env=env, host=args.host, port=args.port, model=args.model,
                                     pid_path=pid_path, log_path=log_path,
                                     startup_timeout_s=args.startup_timeout or STARTUP_TIMEOUT_S)
@@ -226,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, limits=limits, allowed_origins=origins,
                      loopback_only=args.host in LOOPBACK_HOSTS,
                      model_name=args.model_name or model_name_for(args.model))
-    print(f"qat4 serve: {app.state.model_name}, context {engine.max_ctx} tokens, on http://{args.host}:{args.port}/",
+    print(f"qat4 serve: {app.state.model_name}, context {engine.max_ctx} tokens, on {control.url_for(args.host, args.port)}/",
           file=sys.stderr)
     print(f"qat4 serve: KV pool: {engine.pool.capacity_tokens} tokens, up to {engine.max_num_seqs} sequences "
           f"({engine.nbytes['kv_cache'] / (1 << 20):,.0f} MiB); prompts read {engine.prefill_chunk} tokens a step; "

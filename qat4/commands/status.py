@@ -17,8 +17,9 @@ from urllib.parse import urlsplit
 
 from qat4.commands.ask import DEFAULT_URL
 from qat4.errors import Qat4Error
-from qat4.server_control import LOOPBACK, WILDCARD_HOSTS, PidFile, default_pid_file, fetch_health, health_body, \
-    live_pid_file, url_for
+from qat4.serve_process import fetch_health
+from qat4.server_control import LOOPBACK, WILDCARD_HOSTS, PidFile, check_port, default_pid_file, \
+    health_body, live_pid_file, url_for
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", *WILDCARD_HOSTS)
 
@@ -33,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--url", default=None, help=f"server address (default: $QAT4_URL or {DEFAULT_URL})")
     where.add_argument("--port", type=int, default=None, metavar="N",
-                       help=f"the server on this machine's port N (http://{LOOPBACK}:N)")
+                       help=f"the server on this machine's port N (the address its pid file records, else "
+                            f"http://{LOOPBACK}:N)")
     p.add_argument("--pid-file", default=None, metavar="PATH",
                    help="the pid file (default: serve-PORT.pid in the state directory, for a server on this machine)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -52,18 +54,29 @@ class Status:
 
 
 def _url(url: str | None, port: int | None, record: PidFile | None) -> str:
-    """The address asked: --port, --url, the pid file's, $QAT4_URL, the default, in that order."""
-    if port is not None:
+    """The address asked: --url, the pid file's, --port on loopback, $QAT4_URL, the default, in that order."""
+    if url is None and record is None and port is not None:
         return url_for(LOOPBACK, port)
     return (url or (record.url if record else None) or os.environ.get("QAT4_URL") or DEFAULT_URL).rstrip("/")
+
+
+def _url_port(url: str) -> int:
+    """The port of `url` (80 when it names none); a URL that is not one is a Qat4Error naming --url or $QAT4_URL."""
+    try:
+        return urlsplit(url).port or 80
+    except ValueError as exc:
+        flag = "--url" if url != os.environ.get("QAT4_URL") else "$QAT4_URL"
+        raise Qat4Error(f"{flag} {url!r} is not a server address like http://HOST:PORT ({exc})") from None
 
 
 def _pid_path(url: str | None, port: int | None, pid_file: str | None) -> Path | None:
     """--pid-file, else the default pid file of the port asked about when the server is on this machine."""
     if pid_file:
         return Path(pid_file).absolute()
-    parts = urlsplit(_url(url, port, None))
-    return default_pid_file(parts.port or 80) if parts.hostname in LOCAL_HOSTS else None
+    if port is not None:
+        return default_pid_file(port)
+    address = _url(url, None, None)
+    return default_pid_file(_url_port(address)) if urlsplit(address).hostname in LOCAL_HOSTS else None
 
 
 def _silence(url: str, pid_path: Path | None, record: PidFile | None, note: str | None) -> str:
@@ -145,7 +158,11 @@ def server_status(*, url: str | None = None, port: int | None = None, pid_file: 
     """Ask the server at --url or this machine's --port (else the pid file's address, $QAT4_URL, the
     default) and read its pid file. When nothing answers, the report's status is "starting" (the pid
     file's process runs) or "unreachable"; a program that answers, but not as a qat4 server, is a
-    Qat4Error."""
+    Qat4Error, and so is a --port or --url no server can have."""
+    if port is not None:
+        check_port(port)
+    else:
+        _url_port(_url(url, None, None))
     pid_path = _pid_path(url, port, pid_file)
     record, note = live_pid_file(pid_path) if pid_path else (None, None)
     address = _url(url, port, record)

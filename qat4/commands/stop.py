@@ -9,13 +9,16 @@ is removed.
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 import time
 from pathlib import Path
 
 from qat4.commands.serve import DEFAULT_PORT
 from qat4.errors import Qat4Error
-from qat4.server_control import LOOPBACK, default_pid_file, fetch_health, health_body, live_pid_file, stale_reason, \
-    stop_pid, url_for
+from qat4.serve_process import fetch_health
+from qat4.server_control import LOOPBACK, check_port, default_pid_file, health_body, live_pid_file, \
+    stale_reason, stop_pid, url_for
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -47,7 +50,7 @@ def _pid_from_health(port: int, pid_path: Path) -> int:
     if not isinstance(pid, int) or pid < 1:
         raise Qat4Error(f"no pid file at {pid_path}, and the server at {url} does not report its pid; "
                         "stop it where it was started")
-    reason = stale_reason(pid)
+    reason = stale_reason(pid, port=port)
     if reason is not None:
         raise Qat4Error(f"the server at {url} reports pid {pid}, {reason} here (another machine or container?); "
                         "stop it where it runs")
@@ -55,12 +58,13 @@ def _pid_from_health(port: int, pid_path: Path) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.timeout < 0:
-        raise Qat4Error(f"--timeout must be 0 or more seconds, got {args.timeout:g}")
+    if not (math.isfinite(args.timeout) and args.timeout >= 0):
+        raise Qat4Error(f"--timeout must be a finite number of seconds, 0 or more, got {args.timeout:g}")
+    check_port(args.port)
     pid_path = Path(args.pid_file).absolute() if args.pid_file else default_pid_file(args.port)
     record, note = live_pid_file(pid_path)
     if note is not None:
-        raise Qat4Error(note)
+        print(f"qat4 stop: {note}", file=sys.stderr)
     if record is None and args.pid_file:
         raise Qat4Error(f"no pid file at {pid_path}; nothing to stop")
     pid = record.pid if record is not None else _pid_from_health(args.port, pid_path)
