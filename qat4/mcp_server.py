@@ -27,12 +27,11 @@ from mcp_types import ToolAnnotations
 from pydantic import Field
 
 import qat4
-from qat4.commands.ask import _error_message
-from qat4.commands.serve import DEFAULT_PORT
+from qat4.bench_serve import error_message
 from qat4.commands.status import server_status
 from qat4.commands.stop import DEFAULT_TIMEOUT_S
 from qat4.errors import Qat4Error
-from qat4.server_control import LOOPBACK, url_for
+from qat4.server_control import DEFAULT_PORT, LOOPBACK, url_for
 
 CHAT_TIMEOUT = httpx.Timeout(10.0, read=None)  # an answer takes as long as its tokens do
 INSTRUCTIONS = (
@@ -177,7 +176,7 @@ def chat(prompt: Annotated[str, Field(description="the user's message")], port: 
     except httpx.TransportError as exc:
         raise ToolError(f"the connection to {address} failed ({exc})") from None
     if response.status_code != 200:
-        raise ToolError(f"the server at {address} answered {response.status_code}: {_error_message(response.content)}")
+        raise ToolError(f"the server at {address} answered {response.status_code}: {error_message(response.content)}")
     return completion_summary(response.json())
 
 

@@ -1,8 +1,8 @@
 """`qat4 serve` child processes: their command line, the wait until they answer, their stop.
 
-A server counts as ready once `GET /health` answers 200 (from the child's own pid, when that is known). It is stopped with SIGTERM, which qat4
-serve answers by ending its open replies within 5 s, and killed if it is still there after a
-grace period. `qat4 bench serve` runs one for the length of a benchmark (`ServerProcess`);
+A server counts as ready once `GET /health` answers 200 as a qat4 server (with the child's own
+pid, when that is known). It is stopped with SIGTERM, which qat4 serve answers by ending its open
+replies within 5 s, and killed if it is still there after a grace period. `qat4 bench serve` runs one for the length of a benchmark (`ServerProcess`);
 `qat4 serve --detach` (qat4.server_control) starts one that outlives it.
 """
 
@@ -65,18 +65,23 @@ def fetch_health(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> httpx.Respons
         return None
 
 
-def _answers_healthy(url: str, pid: int | None) -> bool:
-    """Whether url/health answers 200, and reports `pid` when that is given (not another program on the port)."""
-    response = fetch_health(url)
-    if response is None or response.status_code != 200:
-        return False
-    if pid is None:
-        return True
+def health_body(response: httpx.Response) -> dict | None:
+    """The JSON object of a qat4 server's /health answer (200 or 503), or None for anything else."""
+    if response.status_code not in (200, 503):
+        return None
     try:
         body = response.json()
     except ValueError:
-        return False
-    return isinstance(body, dict) and body.get("pid") == pid
+        return None
+    return body if isinstance(body, dict) and "status" in body and "model" in body else None
+
+
+def _answers_healthy(url: str, pid: int | None) -> bool:
+    """Whether url/health answers 200 as a qat4 server, reporting `pid` when that is given (not another
+    program on the port)."""
+    response = fetch_health(url)
+    body = None if response is None or response.status_code != 200 else health_body(response)
+    return body is not None and (pid is None or body.get("pid") == pid)
 
 
 def wait_for_health(url: str, exit_code: Callable[[], int | None], last_output: Callable[[], str],
@@ -128,9 +133,8 @@ class ServerProcess:
     """A server child process, used as `with ServerProcess(cmd, url) as server: ...`.
 
     `url` is where the command will listen; entering waits until `url/health` answers with the
-    child's pid (raising
-    Qat4Error with the end of the child's output if it exits or takes longer than
-    `startup_timeout_s`); leaving stops it.
+    child's pid (raising Qat4Error with the end of the child's output if it exits or takes longer
+    than `startup_timeout_s`); leaving stops it.
     """
 
     def __init__(self, command: Sequence[str], url: str, *, env: dict[str, str] | None = None,

@@ -25,15 +25,15 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-import httpx
-
 from qat4.errors import Qat4Error
-from qat4.serve_process import POLL_INTERVAL_S, fetch_health, output_tail, terminate_then_kill, wait_for_health
+from qat4.serve_process import POLL_INTERVAL_S, fetch_health, health_body, output_tail, terminate_then_kill, \
+    wait_for_health
 
 STATE_DIR_ENV = "QAT4_STATE_DIR"
 DEFAULT_PORT = 8100
 LOOPBACK = "127.0.0.1"
 LOOPBACK_V6 = "::1"
+LOOPBACK_HOSTS = (LOOPBACK, "localhost", LOOPBACK_V6)
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 PROBE_TIMEOUT_S = 1.0  # a program holding the port may never answer HTTP
 FAILED_START_GRACE_S = 5.0
@@ -155,13 +155,20 @@ def _serve_port(argv: list[str]) -> int | None:
     return int(value) if value.isdigit() else None
 
 
-def process_start(pid: int) -> int | None:
-    """When `pid` started, in clock ticks since boot (field 22 of /proc/PID/stat); None when it is not running."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (field 3, the state, first); None when
+    there is no such process."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    return int(stat.rpartition(")")[2].split()[19])
+    return stat.rpartition(")")[2].split()
+
+
+def process_start(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot (field 22 of /proc/PID/stat); None when it is not running."""
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[19])
 
 
 def stale_reason(pid: int, *, start_ticks: int | None = None, port: int | None = None) -> str | None:
@@ -204,11 +211,8 @@ def _exited(pid: int) -> bool:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         pass
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+    fields = _stat_fields(pid)
+    return fields is None or fields[0] in ("Z", "X")
 
 
 class ProcessById:
@@ -238,17 +242,6 @@ class ProcessById:
 def stop_pid(pid: int, timeout_s: float) -> bool:
     """SIGTERM `pid`, SIGKILL it if it is still there after `timeout_s`; True when it ended on SIGTERM."""
     return terminate_then_kill(ProcessById(pid), timeout_s)
-
-
-def health_body(response: httpx.Response) -> dict | None:
-    """The JSON object of a qat4 server's /health answer (200 or 503), or None for anything else."""
-    if response.status_code not in (200, 503):
-        return None
-    try:
-        body = response.json()
-    except ValueError:
-        return None
-    return body if isinstance(body, dict) and "status" in body and "model" in body else None
 
 
 def port_in_use(host: str, port: int) -> bool:

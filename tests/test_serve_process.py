@@ -17,7 +17,7 @@ if "--ignore-term" in sys.argv:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200); self.end_headers(); self.wfile.write(json.dumps({"pid": os.getpid()}).encode())
+        self.send_response(200); self.end_headers(); self.wfile.write(json.dumps({"status": "ok", "model": "m", "pid": os.getpid()}).encode())
     def log_message(self, *args):
         pass
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()

@@ -20,9 +20,8 @@ from qat4.commands.model_args import add_model_arguments, add_speculative_argume
 from qat4.errors import Qat4Error
 from qat4.serve_process import STARTUP_TIMEOUT_S, serve_command
 from qat4.server.limits import CHARS_PER_CONTEXT_TOKEN, DEFAULT_MAX_MESSAGES, DEFAULT_MAX_TOOLS, RequestLimits
-from qat4.server_control import DEFAULT_PORT
+from qat4.server_control import DEFAULT_PORT, LOOPBACK_HOSTS
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_MAX_QUEUE = 256
 HEADER_TIMEOUT_S = 10.0  # a request's line and headers must arrive within this long
 SHUTDOWN_GRACE_S = 5  # on Ctrl-C, answers still streaming after this long are cut (and their generation cancelled)

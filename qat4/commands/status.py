@@ -17,11 +17,11 @@ from urllib.parse import urlsplit
 
 from qat4.commands.ask import DEFAULT_URL
 from qat4.errors import Qat4Error
-from qat4.serve_process import fetch_health
-from qat4.server_control import LOOPBACK, WILDCARD_HOSTS, PidFile, check_port, default_pid_file, \
-    health_body, live_pid_file, url_for
+from qat4.serve_process import fetch_health, health_body
+from qat4.server_control import LOOPBACK, LOOPBACK_HOSTS, WILDCARD_HOSTS, PidFile, check_port, default_pid_file, \
+    live_pid_file, url_for
 
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", *WILDCARD_HOSTS)
+LOCAL_HOSTS = (*LOOPBACK_HOSTS, *WILDCARD_HOSTS)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

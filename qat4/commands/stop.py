@@ -14,11 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-from qat4.commands.serve import DEFAULT_PORT
 from qat4.errors import Qat4Error
-from qat4.serve_process import fetch_health
-from qat4.server_control import LOOPBACK, check_port, default_pid_file, health_body, live_pid_file, \
-    stale_reason, stop_pid, url_for
+from qat4.serve_process import fetch_health, health_body
+from qat4.server_control import DEFAULT_PORT, LOOPBACK, check_port, default_pid_file, live_pid_file, stale_reason, \
+    stop_pid, url_for
 
 DEFAULT_TIMEOUT_S = 30.0
 
