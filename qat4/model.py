@@ -25,8 +25,9 @@ from qat4.errors import Qat4Error
 from qat4.ops.attention import PagedSeqs, paged_attention
 from qat4.ops.norms import rms_norm
 from qat4.ops.qkv_prep import qk_norm_rope, qk_norm_rope_store, rope_cos_sin_cache, rope_inv_freq
-from qat4.ops.w4.dispatch import w4_argmax, w4_linear, w4_linear_gelu, w4_linear_residual, w4_logits
+from qat4.ops.w4.dispatch import expands_products, w4_argmax, w4_linear, w4_linear_gelu, w4_linear_residual, w4_logits
 from qat4.ops.w4.embedding import w4_embedding
+from qat4.ops.w4.expanded import reserve_scratch
 from qat4.ops.w4.reference import ResidualStep
 
 class Pages(Protocol):
@@ -63,6 +64,21 @@ def linear_gelu(x: torch.Tensor, w: PackedTensor, up: torch.Tensor | None = None
 def linear_residual(x: torch.Tensor, w: PackedTensor, step: ResidualStep) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [T, in] @ w.T fed into a residual step -> (h out [T, D], next input norm [T, D] or None)."""
     return w4_linear_residual(x, w.packed, w.scales, step)
+
+
+def largest_product(config: Gemma4Config) -> int:
+    """Weights of the largest matrix a forward multiplies by (the output layer aside): the merged
+    gate/up of the widest MLP, the merged q/k/v, or the per-layer projection."""
+    layers = range(config.num_hidden_layers)
+    rows = [2 * config.mlp_width(i) for i in layers] + [config.per_layer_width]
+    rows += [(config.num_attention_heads + 2) * config.layer_head_dim(i) for i in layers]
+    return max(rows) * config.hidden_size
+
+
+def expansion_nbytes(config: Gemma4Config, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes of the scratch :mod:`qat4.ops.w4.expanded` needs for this model's prompt products
+    (0 where they do not take that path)."""
+    return largest_product(config) * torch.empty((), dtype=dtype).element_size() if expands_products(dtype, device) else 0
 
 
 def dtype_round(value: float, dtype: torch.dtype) -> float:
@@ -117,10 +133,12 @@ class Gemma4:
 
     ``forward`` runs a flat batch of tokens of any number of sequences over a paged KV pool and
     returns the final-normed hidden states; ``logits`` / ``argmax`` apply the output layer and
-    softcap.
+    softcap. With ``expand`` (the memory plan's choice) it reserves the scratch in which prompt
+    products expand their matrices (:mod:`qat4.ops.w4.expanded`); without it they run the GEMM.
     """
 
-    def __init__(self, model: PackedModel, device: torch.device | str, dtype: torch.dtype, max_positions: int):
+    def __init__(self, model: PackedModel, device: torch.device | str, dtype: torch.dtype, max_positions: int,
+                 expand: bool = False):
         cfg = self.config = model.config
         self.device, self.dtype = torch.device(device), dtype
         self.eps = cfg.rms_norm_eps
@@ -136,6 +154,8 @@ class Gemma4:
         self.ple_scale = dtype_round(cfg.hidden_size_per_layer_input**0.5, dtype)
         self.layers = [self._layer(model, i) for i in range(cfg.num_hidden_layers)]
         self.rope = {kind: rope_table(cfg, kind, max_positions, self.device, dtype) for kind in set(cfg.layer_types)}
+        if expand and expands_products(dtype, self.device):
+            reserve_scratch(self.device, dtype, largest_product(cfg))
 
     def _matrix(self, t: PackedTensor) -> PackedTensor:
         """A packed matrix on the device. Its group steps keep their stored dtype (the kernels read

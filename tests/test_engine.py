@@ -256,12 +256,14 @@ def test_plan_takes_the_largest_chunk_and_the_most_sequences_that_fit(monkeypatc
     cuda = torch.device("cuda", 0)
     reserve, per_token = 120 * mib, memory.PREFILL_BYTES_PER_TOKEN
     monkeypatch.setattr(memory, "tuning_reserve", lambda device: reserve)
+    monkeypatch.setattr(memory, "expansion_nbytes", lambda cfg, dtype, device: 75 * mib)
     base = 110 * mib + reserve
     for free, seqs, chunk in ((10**11, 64, 4096), (base + 64 * mib + 1024 * per_token, 64, 1024),
                               (base + 64 * mib + 300 * per_token, 64, 256), (base + 20 * mib + 256 * per_token, 20, 256)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, 2 * free))
         got = memory.plan(packed, cuda, EngineConfig(max_ctx=8192))
         assert (got.max_num_seqs, got.prefill_chunk) == (seqs, chunk)
+        assert got.expand == (free == 10**11)  # the expansion scratch takes only what is left over
     asked = memory.plan(packed, cuda, EngineConfig(max_ctx=8192, max_num_seqs=30))  # fits without the working memory
     assert (asked.max_num_seqs, asked.prefill_chunk) == (30, 256)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (115 * mib, 230 * mib))

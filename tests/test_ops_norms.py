@@ -255,6 +255,18 @@ def test_kernel_rope_and_qk_norm_rope(dtype, layer_type, dim):
 
 @kernel_test
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_kernel_gelu_tanh_mul_takes_strided_halves(dtype):
+    merged = rand(3, 2 * 1100, dtype=dtype, scale=3)  # a merged gate/up product: gate, up alternate
+    gate, up = merged[:, 0::2], merged[:, 1::2]
+    got = norms.gelu_tanh_mul_triton(gate, up)
+    assert got.is_contiguous() and got.shape == (3, 1100)
+    assert_kernel_close(got, norms.gelu_tanh_mul_reference(gate, up))
+    with pytest.raises(ValueError, match="one shape"):
+        norms.gelu_tanh_mul_triton(gate, up[:, :5])
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_kernel_residual_rms_norm(dtype):
     h, y = rand(2, 160, dtype=dtype, scale=4), rand(2, 160, dtype=dtype, scale=9)
     w, nw, scalar = rand(160, dtype=dtype, scale=5), rand(160, dtype=dtype, scale=5), rand(1, dtype=dtype)

@@ -18,6 +18,7 @@ from kernel_harness import INTERPRETED, KERNEL_DEVICE, kernel_test, run_interpre
 from qat4.checkpoint import packing
 from qat4.errors import Qat4Error
 from qat4.ops.w4 import embedding as we
+from qat4.ops.w4 import expanded as wx
 from qat4.ops.w4 import gemm as wm
 from qat4.ops.w4 import gemv as wv
 from qat4.ops.w4 import logits as wo
@@ -121,6 +122,8 @@ def test_dispatch_follows_qat4_ops_and_the_rows(monkeypatch):
     monkeypatch.setenv("QAT4_OPS", "fast")
     with pytest.raises(Qat4Error, match="QAT4_OPS"):
         w4.w4_linear(x_small, packed, scales)
+    monkeypatch.setenv("QAT4_OPS", "triton")
+    assert not w4.expands_products(torch.bfloat16, torch.device("cpu"))  # cuBLAS on a GPU with tensor cores only
 
 
 def test_prefill_precision_choice(monkeypatch):
@@ -323,6 +326,47 @@ def test_kernel_embedding_is_exact(k, out_dtype, scale_dtype, ids):
     out = we.w4_embedding_triton(ids, packed, scales, 39.25, out_dtype)
     assert out.shape == (*ids.shape, k) and out.dtype == out_dtype
     assert torch.equal(out, we.w4_embedding_reference(ids, packed, scales, 39.25, out_dtype))
+
+
+@kernel_test
+@pytest.mark.parametrize("out_dtype,scale_dtype", [(torch.float16, torch.float16), (torch.float32, torch.bfloat16)]
+                         + ([] if INTERPRETED else [(torch.bfloat16, torch.bfloat16)]))  # the interpreter truncates to bf16
+def test_kernel_expand_rows_is_exact(out_dtype, scale_dtype):
+    _, _, packed, scales = random_weight(7, 96, scale_dtype, device=KERNEL_DEVICE)
+    out = torch.empty(7, 96, dtype=out_dtype, device=KERNEL_DEVICE)
+    want = we.w4_expand_rows_reference(packed, scales, torch.empty_like(out))
+    assert torch.equal(we.w4_expand_rows_triton(packed, scales, out), want)
+    with pytest.raises(ValueError, match="contiguous"):
+        we.w4_expand_rows_triton(packed, scales, torch.empty(96, 7, dtype=out_dtype, device=KERNEL_DEVICE).t())
+
+
+@kernel_test
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16])
+def test_kernel_expanded_matmul(x_dtype):
+    x, packed, scales = kernel_inputs(37, 26, 96, x_dtype, torch.float16)
+    x = x * 4
+    tol = 2 * OUT_TOL[x_dtype]  # each weight rounded to x.dtype once, as the tensor-core GEMM rounds it
+    out = wx.w4_expanded_matmul(x, packed, scales)
+    assert out.shape == (37, 26) and out.dtype == x_dtype
+    assert rel_err(out, wr.w4_linear_reference(x, packed, scales)) < tol
+    pairs = wx.w4_expanded_matmul(x, packed, scales, gelu=True)
+    assert pairs.shape == (37, 13)
+    assert rel_err(pairs, wr.w4_linear_gelu_reference(x, packed, scales)) < tol
+    up = torch.randn(37, 2, 26, generator=torch.Generator().manual_seed(3)).to(KERNEL_DEVICE, x_dtype)[:, 0]
+    gated = wx.w4_expanded_matmul(x, packed, scales, gelu=True, up=up)
+    assert rel_err(gated, wr.w4_linear_gelu_reference(x, packed, scales, up)) < tol
+    small = wx.w4_expanded_matmul(x, packed[:3], scales[:3])  # a smaller matrix in the grown scratch
+    assert torch.equal(small, out[:, :3])
+    with pytest.raises(ValueError, match="16-bit"):
+        wx.w4_expanded_matmul(x.float(), packed, scales)
+
+
+@kernel_test
+def test_kernel_expansion_scratch_grows_and_keeps_what_it_outgrew():
+    first = wx.reserve_scratch(KERNEL_DEVICE, torch.float16, 1000)
+    assert wx.reserve_scratch(KERNEL_DEVICE, torch.float16, 10) is first  # never shrinks
+    grown = wx.reserve_scratch(KERNEL_DEVICE, torch.float16, first.numel() + 1)
+    assert grown.numel() > first.numel() and any(t is first for t in wx._OUTGROWN)
 
 
 @kernel_test

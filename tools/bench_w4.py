@@ -8,9 +8,11 @@ the launches are captured in one CUDA graph and timed with triton.testing.do_ben
 bytes = N*K/2 (codes) + N*K/16 (scales) + activations; GB/s = bytes / time. The 'per token' row
 weighs each shape by its count per decode step (gemma4-e2b.md section 5.5) and compares with the
 read bandwidth measured by a plain copy. --sweep also times the candidate tilings one by one.
-From --rows 2 (up to 128: a continuous-batching decode step) a second table times, the same
-way, the decode-batch kernel of qat4.ops.w4.batch beside the GEMV (up to 16 rows) and the prefill
-GEMM; --sweep there times every tiling of qat4.ops.w4.batch.batch_tiling_candidates.
+From --rows 2 (a continuous-batching decode step up to 128; a prompt step beyond) a second table
+times, the same way, the decode-batch kernel of qat4.ops.w4.batch beside the GEMV (up to 16
+rows), the prefill GEMM and the expanded product of qat4.ops.w4.expanded (the matrix expanded into
+its scratch, then cuBLAS); --sweep there times every tiling of
+qat4.ops.w4.batch.batch_tiling_candidates.
 Then (without --shapes): the output layer (logits, argmax), the prefill GEMM, the embeddings.
 --floor instead times chains of N x 1536 GEMVs from 0.1 to 42 MB at fixed tilings, with and without
 programmatic dependent launch: what a dependent GEMV costs before its bytes.
@@ -27,6 +29,7 @@ import triton.testing
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from qat4.ops.w4 import batch as wb  # noqa: E402
+from qat4.ops.w4 import expanded as wx  # noqa: E402
 from qat4.ops.w4 import gemm as wm  # noqa: E402
 from qat4.ops.w4 import gemv as wv  # noqa: E402
 from qat4.ops.w4 import logits as wo  # noqa: E402
@@ -132,36 +135,40 @@ def describe_batch_tiling(t):
 
 def bench_batch(dtype, rows, sweep, shapes, device, peak, gemv_us=None):
     """Per decode shape: the GEMV (from `gemv_us`, the GEMV table's timings, when given), the
-    prefill GEMM and the decode-batch kernel at its table's tiling, each over distinct copies in
-    one CUDA graph; --sweep adds every candidate tiling of the batch kernel."""
+    prefill GEMM, the expanded product and the decode-batch kernel at its table's tiling, each over
+    distinct copies in one CUDA graph; --sweep adds every candidate tiling of the batch kernel."""
     gemv_us = gemv_us or {}
     print(f"\n# decode batch, x [{rows}, K] {dtype}, CUDA graph over distinct copies, median µs per launch; "
           f"GB/s and % copy of the batch kernel")
-    print(f"{'N x K':>14} {'count':>5} {'GEMV':>8} {'GEMM':>8} {'batch':>8} {'GB/s':>7} {'% copy':>6}  batch tiling")
-    totals = {"GEMV": 0.0, "GEMM": 0.0, "batch": 0.0}
+    print(f"{'N x K':>14} {'count':>5} {'GEMV':>8} {'GEMM':>8} {'expand':>8} {'batch':>8} {'GB/s':>7} {'% copy':>6}  "
+          f"batch tiling")
+    totals = {"GEMV": 0.0, "GEMM": 0.0, "expand": 0.0, "batch": 0.0}
     total_bytes = 0.0
     for n, k, count in shapes:
         nbytes = weight_bytes(n, k, dtype) + rows * k * 2 + rows * n * 2
         time_us = chained(n, k, rows, dtype, device)
         tiling = wb.batch_tiling(n, k, rows, device)
         gemm = time_us(lambda x, p, s, o: wm.w4_matmul(x, p, s))
+        expand = time_us(lambda x, p, s, o: wx.w4_expanded_matmul(x, p, s))
         batch = time_us(lambda x, p, s, o: wb.w4_batch_linear(x, p, s, out=o, config=tiling))
         gemv = gemv_us.get((n, k))
-        for name, us in (("GEMV", gemv), ("GEMM", gemm), ("batch", batch)):
+        for name, us in (("GEMV", gemv), ("GEMM", gemm), ("expand", expand), ("batch", batch)):
             totals[name] += (us or 0.0) * count
         total_bytes += nbytes * count
         gbs = nbytes / batch / 1e3
         gemv_cell = f"{gemv:>8.2f}" if gemv is not None else f"{'-':>8}"
-        print(f"{n:>7} x {k:<5} {count:>5} {gemv_cell} {gemm:>8.2f} {batch:>8.2f} {gbs:>7.0f} {100 * gbs / peak:>5.0f}%  "
+        print(f"{n:>7} x {k:<5} {count:>5} {gemv_cell} {gemm:>8.2f} {expand:>8.2f} {batch:>8.2f} {gbs:>7.0f} "
+              f"{100 * gbs / peak:>5.0f}%  "
               f"{describe_batch_tiling(tiling)}")
         if sweep:
             for candidate in wb.batch_tiling_candidates(n, k, rows, device)[1:]:
                 us = time_us(lambda x, p, s, o, c=candidate: wb.w4_batch_linear(x, p, s, out=o, config=c))
-                print(f"{'':>38} {us:>8.2f} {nbytes / us / 1e3:>7.0f}         {describe_batch_tiling(candidate)}")
+                print(f"{'':>47} {us:>8.2f} {nbytes / us / 1e3:>7.0f}         {describe_batch_tiling(candidate)}")
         del time_us  # frees this shape's copies before the next shape's
     gbs = total_bytes / totals["batch"] / 1e3
     gemv_total = f"{totals['GEMV']:>8.1f}" if gemv_us else f"{'-':>8}"
-    print(f"{'per token':>14} {'':>5} {gemv_total} {totals['GEMM']:>8.1f} {totals['batch']:>8.1f} {gbs:>7.0f} "
+    print(f"{'per token':>14} {'':>5} {gemv_total} {totals['GEMM']:>8.1f} {totals['expand']:>8.1f} {totals['batch']:>8.1f} "
+          f"{gbs:>7.0f} "
           f"{100 * gbs / peak:>5.0f}%  ({total_bytes / 1e9:.3f} GB over {sum(c for *_, c in shapes)} launches)")
 
 
@@ -234,7 +241,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--rows", type=int, default=1,
-                        help="rows of x: the GEMV table up to 16, the decode-batch table from 2 (up to 128)")
+                        help="rows of x: the GEMV table up to 16, the decode-batch table from 2")
     parser.add_argument("--sweep", action="store_true", help="also time every GEMV and decode-batch tiling")
     parser.add_argument("--shapes", help="decode shapes to time, e.g. 262144x1536,1536x12288 (default: all)")
     parser.add_argument("--floor", action="store_true", help="only the chained-GEMV cost against weight bytes")

@@ -155,7 +155,7 @@ class Engine:
     @classmethod
     def _build(cls, packed: PackedModel, device: torch.device, resolved: Plan, config: EngineConfig,
                tokenizer, assistant=None) -> "Engine":
-        model = Gemma4(packed, device, resolved.dtype, resolved.max_ctx)
+        model = Gemma4(packed, device, resolved.dtype, resolved.max_ctx, expand=resolved.expand)
         pool = KVPool(packed.config, resolved.blocks, block_size=config.block_size,
                       max_seqs=resolved.max_num_seqs, max_ctx=resolved.max_ctx, device=device, dtype=resolved.dtype,
                       prompt_cache=resolved.prompt_cache, window=resolved.window)

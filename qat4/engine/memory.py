@@ -4,8 +4,10 @@ Order of claims on the device memory (a cap's, or what the GPU has free): the mo
 drafter when one drafts; the KV pool's full-attention blocks (``kv_tokens``); the sliding-window
 blocks of ``max_num_seqs`` sequences and the decode working memory of that many rows (and with
 CUDA graphs the prompt-chunk graphs'); then the prompt chunk's working memory and the autotuner's
-buffer, the largest of AUTO_PREFILL_CHUNKS that fits; last the prompt cache's extra sliding blocks
-(``prompt_cache_mib``: by default as much of DEFAULT_PROMPT_CACHE_MIB as is left).
+buffer, the largest of AUTO_PREFILL_CHUNKS that fits; the prompt cache's extra sliding blocks
+(``prompt_cache_mib``: by default as much of DEFAULT_PROMPT_CACHE_MIB as is left); last, where
+prompt products can take it and it fits in what is left, the scratch of
+:mod:`qat4.ops.w4.expanded` (``expand``; without it they run the prefill GEMM).
 Without an explicit ``max_num_seqs``, as many sequences as fit with that working memory (up to the
 default), else as many as fit without it; the model, the pool and the decode rows that do not fit
 are an error, and so is an explicit prompt cache that does not fit.
@@ -24,6 +26,7 @@ from qat4.config import SLIDING, Gemma4Config
 from qat4.engine.config import MAX_CTX_DEFAULT, EngineConfig
 from qat4.engine.kv_cache import block_nbytes, pool_blocks, pool_nbytes
 from qat4.errors import Qat4Error
+from qat4.model import expansion_nbytes
 
 MIB = 1 << 20
 AUTO_PREFILL_CHUNKS = (4096, 2048, 1024, 512, 256)  # prefill_chunk=None picks the largest that fits (CUDA)
@@ -45,6 +48,7 @@ class Plan:
     cap: int | None  # bytes, when memory_cap_mib was given
     prompt_cache: bool = True
     window: int | None = None  # sliding positions the KV pool keeps per query (None: the model's window)
+    expand: bool = False  # whether prompt products expand W into a scratch (qat4.ops.w4.expanded)
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -215,4 +219,6 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig,
             f"a prompt cache of {cache_mib:g} MiB (prompt_cache_mib) does not fit beside the model, the KV pool and "
             f"their working memory{cap_text(config.memory_cap_mib)}; {max(0, room) / MIB:,.0f} MiB are left"
         )
-    return Plan(dtype, max_ctx, seqs, chunk, kv_tokens, kv(seqs, chunk, cache_blocks)[0], cap, on, window)
+    expansion = expansion_nbytes(cfg, dtype, device)
+    expand = 0 < expansion <= room - cache_blocks * sliding_nbytes
+    return Plan(dtype, max_ctx, seqs, chunk, kv_tokens, kv(seqs, chunk, cache_blocks)[0], cap, on, window, expand)

@@ -7,6 +7,8 @@ kernels everywhere, e.g. CPU tensors under ``TRITON_INTERPRET=1``).
 
 import os
 
+import torch
+
 from qat4.errors import Qat4Error
 
 _MODES = ("auto", "reference", "triton")
@@ -14,7 +16,12 @@ _MODES = ("auto", "reference", "triton")
 
 def use_triton(tensor) -> bool:
     """True when the op called on `tensor` should run its Triton kernel."""
+    return triton_on(tensor.device)
+
+
+def triton_on(device) -> bool:
+    """True when ops on tensors of `device` run their Triton kernels (QAT4_OPS, module docstring)."""
     mode = os.environ.get("QAT4_OPS", "auto").strip().lower() or "auto"
     if mode not in _MODES:
         raise Qat4Error(f"QAT4_OPS is {mode!r}; use one of {', '.join(_MODES)}.")
-    return mode == "triton" or (mode == "auto" and tensor.is_cuda)
+    return mode == "triton" or (mode == "auto" and torch.device(device).type == "cuda")

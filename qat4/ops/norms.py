@@ -128,6 +128,20 @@ def gelu_tanh_gate(g, u, dt: tl.constexpr):
     return (act * u).to(dt)
 
 
+@triton.jit
+def _gelu_tanh_mul_kernel(G, U, O, n_cols, stride_gm, stride_gn, stride_um, stride_un, BLOCK: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    """O [M, n_cols] (contiguous) = gelu_tanh_gate(G, U) for G, U [M, n_cols] of any strides.
+    Grid: (M, cdiv(n_cols, BLOCK))."""
+    wait_for_previous_kernel(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(G + row * stride_gm + cols * stride_gn, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_um + cols * stride_un, mask=mask, other=0.0).to(tl.float32)
+    tl.store(O + row * n_cols + cols, gelu_tanh_gate(g, u, O.dtype.element_ty), mask=mask)
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton launchers
 
@@ -170,6 +184,21 @@ def residual_rms_norm_triton(
         num_warps=max(1, min(8, block // 256)), **pdl_launch(h2, h2.shape[0]),
     )
     return h_out.reshape(h.shape), None if x_next is None else x_next.reshape(h.shape)
+
+
+def gelu_tanh_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Triton :func:`gelu_tanh_mul_reference` on 2-D gate, up [M, N] of any strides (e.g. the
+    alternating columns of a merged gate/up product) -> contiguous [M, N] in gate.dtype."""
+    if gate.shape != up.shape or gate.dim() != 2:
+        raise ValueError(f"gate and up must be 2-D of one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    m, n = gate.shape
+    if m and n:
+        block = min(1024, triton.next_power_of_2(n))
+        _gelu_tanh_mul_kernel[(m, triton.cdiv(n, block))](
+            gate, up, out, n, gate.stride(0), gate.stride(1), up.stride(0), up.stride(1), BLOCK=block,
+            num_warps=4, **pdl_launch(gate, m))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from cuda_weights import random_weight, rel_err
 
 from qat4.ops.w4 import dispatch as w4
 from qat4.ops.w4 import embedding as we
+from qat4.ops.w4 import expanded as wx
 from qat4.ops.w4 import gemm as wm
 from qat4.ops.w4 import gemv as wv
 from qat4.ops.w4 import reference as wr
@@ -53,6 +54,32 @@ def test_matmul_at_e2b_shapes(n, k, dtype):
         out = wm.w4_matmul(x, packed, scales)
         assert out.dtype == dtype and out.shape == (m, n)
         assert rel_err(out, wr.w4_linear_reference(x, packed, scales)) < MATMUL_TOL[dtype], (m, n, k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(2560, 1536), (24576, 1536), (1536, 12288), (1536, 256)])
+def test_expanded_product_at_e2b_shapes(n, k, dtype):
+    """Prompt-sized products through the dispatcher take the expanded path once a scratch holds W
+    and agree with the reference as the GEMM does; replayed from a CUDA graph they repeat the
+    eager result."""
+    packed, scales = random_weight(n, k, dtype)
+    if not wx.has_scratch("cuda", dtype, n * k):
+        assert w4._kernel(torch.empty(4096, k, device="cuda", dtype=dtype), packed) == "gemm"
+        wx.reserve_scratch("cuda", dtype, n * k)
+    for m in (w4.EXPAND_ROWS, 1000, 4096):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        assert w4._kernel(x, packed) == "expanded"
+        out = w4.w4_linear(x, packed, scales)
+        assert out.dtype == dtype and out.shape == (m, n)
+        assert rel_err(out, wr.w4_linear_reference(x, packed, scales)) < MATMUL_TOL[dtype], (m, n, k)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = wx.w4_expanded_matmul(x, packed, scales)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, out)
+    assert w4._kernel(x[: w4.BATCH_ROWS], packed) == "batch" and w4._kernel(x.float(), packed) == "gemm"
+    assert w4._kernel(x) == "gemm"  # the output layer is never expanded
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -115,8 +142,8 @@ def test_split_k_is_deterministic_and_graph_safe():
 @pytest.mark.parametrize("n,k,per_layer", [(12288, 1536, False), (24576, 1536, False), (256, 1536, True)])
 def test_gelu_epilogue_at_e2b_shapes(n, k, per_layer, dtype):
     """The MLP's alternating gate/up rows and the per-layer gate times a strided slice of the
-    per-layer inputs [T, 35, 256], as GEMV (1 and 3 rows), decode-batch (16 and 64 rows) and GEMM
-    (300 rows) epilogues."""
+    per-layer inputs [T, 35, 256], as GEMV (1 and 3 rows) and decode-batch (16 and 64 rows)
+    epilogues, and after the expanded product (300 rows)."""
     packed, scales = random_weight(n, k, dtype)
     for m in (1, 3, 16, 64, 300):
         x = torch.randn(m, k, device="cuda", dtype=dtype) * 4

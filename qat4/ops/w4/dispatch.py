@@ -6,11 +6,15 @@
   GEMV_ROWS rows: a single-sequence decode step;
 - the decode-batch tensor-core product (:mod:`qat4.ops.w4.batch`) up to BATCH_ROWS rows: many
   sequences decoding together;
-- the prefill GEMM (:mod:`qat4.ops.w4.gemm`) beyond: prompt chunks.
+- from EXPAND_ROWS rows (by default: beyond BATCH_ROWS) of 16-bit x on a GPU with tensor cores,
+  when a scratch that holds W is reserved (the model's load does, where its memory plan has room),
+  W expanded into it and multiplied by cuBLAS (:mod:`qat4.ops.w4.expanded`): prompt chunks, and
+  steps that mix them with decoding rows;
+- the prefill GEMM (:mod:`qat4.ops.w4.gemm`) beyond BATCH_ROWS otherwise.
 
-The boundaries come from timing the kernels at E2B's decode shapes on an H200
-(``tools/bench_w4.py --rows R``, BENCHMARKS.md); ``QAT4_GEMV_ROWS=N`` moves the first one (read
-when this module is imported), e.g. to time a decode step both ways.
+The boundaries come from timing the kernels at E2B's shapes on an H200
+(``tools/bench_w4.py --rows R``, BENCHMARKS.md); ``QAT4_GEMV_ROWS=N`` and ``QAT4_EXPAND_ROWS=N``
+move them (read when this module is imported), e.g. to time a step both ways.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import os
 
 import torch
 
-from qat4.ops import use_triton
+from qat4.ops import triton_on, use_triton
 from qat4.ops.norms import residual_rms_norm_triton
 from qat4.ops.w4.batch import w4_batch_argmax, w4_batch_linear, w4_batch_linear_gelu, w4_batch_logits
-from qat4.ops.w4.gemm import w4_matmul
+from qat4.ops.w4.expanded import has_scratch, w4_expanded_matmul
+from qat4.ops.w4.gemm import multiplies_in_fp32, w4_matmul
 from qat4.ops.w4.gemv import MAX_MATVEC_ROWS, w4_matvec, w4_matvec_gelu, w4_matvec_residual
 from qat4.ops.w4.logits import w4_argmax_triton, w4_logits_triton
 from qat4.ops.w4.reference import (
@@ -32,19 +37,36 @@ from qat4.ops.w4.reference import (
 
 GEMV_ROWS = int(os.environ.get("QAT4_GEMV_ROWS", "2"))  # the GEMV up to this many rows of x
 BATCH_ROWS = 128  # the decode-batch kernel up to this many; the prefill GEMM beyond
+EXPAND_ROWS = int(os.environ.get("QAT4_EXPAND_ROWS", str(BATCH_ROWS + 1)))  # the expanded product from this many
 
 
-def _kernel(x: torch.Tensor) -> str:
+def _expandable(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
+    return rows >= EXPAND_ROWS and torch.device(device).type == "cuda" and not multiplies_in_fp32(dtype, device)
+
+
+def _kernel(x: torch.Tensor, packed: torch.Tensor | None = None) -> str:
+    """The kernel for x [M, K] times W (``packed``; None: the output layer, never expanded)."""
     if not use_triton(x):
         return "reference"
     m = x.shape[0]
-    return "gemv" if m <= min(GEMV_ROWS, MAX_MATVEC_ROWS) else "batch" if m <= BATCH_ROWS else "gemm"
+    if m <= min(GEMV_ROWS, MAX_MATVEC_ROWS):
+        return "gemv"
+    if packed is not None and _expandable(m, x.dtype, x.device) and has_scratch(x.device, x.dtype, packed.numel() * 8):
+        return "expanded"
+    return "batch" if m <= BATCH_ROWS else "gemm"
+
+
+def expands_products(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether products of ``dtype`` activations on ``device`` can take the expanded path (from
+    EXPAND_ROWS rows on, into a scratch the model reserves at load when its memory plan allows)."""
+    return triton_on(device) and _expandable(max(EXPAND_ROWS, GEMV_ROWS + 1), dtype, device)
 
 
 def w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ W.T -> [..., N] in x.dtype. See :func:`qat4.ops.w4.reference.w4_linear_reference`."""
     x2 = x.reshape(-1, x.shape[-1])
-    fn = {"reference": w4_linear_reference, "gemv": w4_matvec, "batch": w4_batch_linear, "gemm": w4_matmul}[_kernel(x2)]
+    fn = {"reference": w4_linear_reference, "gemv": w4_matvec, "batch": w4_batch_linear, "gemm": w4_matmul,
+          "expanded": w4_expanded_matmul}[_kernel(x2, packed)]
     return fn(x2, packed, scales).reshape(*x.shape[:-1], packed.shape[0])
 
 
@@ -52,9 +74,9 @@ def w4_linear_gelu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                    up: torch.Tensor | None = None) -> torch.Tensor:
     """GELU-gated linear layer on x [T, K], the gate in the kernel's epilogue. See
     :func:`qat4.ops.w4.reference.w4_linear_gelu_reference`."""
-    kernel = _kernel(x)
-    if kernel == "gemm":
-        return w4_matmul(x, packed, scales, gelu=True, up=up)
+    kernel = _kernel(x, packed)
+    if kernel in ("gemm", "expanded"):
+        return (w4_matmul if kernel == "gemm" else w4_expanded_matmul)(x, packed, scales, gelu=True, up=up)
     fn = {"reference": w4_linear_gelu_reference, "gemv": w4_matvec_gelu, "batch": w4_batch_linear_gelu}[kernel]
     return fn(x, packed, scales, up)
 
@@ -64,12 +86,12 @@ def w4_linear_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     """A linear layer on x [T, K] feeding a residual step: fused into the GEMV, else the product
     then :func:`qat4.ops.norms.residual_rms_norm_triton`. See
     :func:`qat4.ops.w4.reference.w4_linear_residual_reference`."""
-    kernel = _kernel(x)
+    kernel = _kernel(x, packed)
     if kernel == "reference":
         return w4_linear_residual_reference(x, packed, scales, residual)
     if kernel == "gemv":
         return w4_matvec_residual(x, packed, scales, residual)
-    y = (w4_batch_linear if kernel == "batch" else w4_matmul)(x, packed, scales)
+    y = {"batch": w4_batch_linear, "gemm": w4_matmul, "expanded": w4_expanded_matmul}[kernel](x, packed, scales)
     return residual_rms_norm_triton(residual.h, y, residual.weight, residual.scalar, residual.next_weight, residual.eps)
 
 

@@ -103,14 +103,19 @@ def has_tensor_cores(device: torch.device, dtype: torch.dtype) -> bool:
 def prefill_uses_fp32(x: torch.Tensor, fp32: bool | None = None) -> bool:
     """Whether :func:`w4_matmul` multiplies in fp32 (no tensor cores) for this x.
 
-    `fp32` forces it either way; otherwise ``QAT4_PREFILL_FP32=1``, fp32 activations, or a CUDA
-    device without usable tensor cores for x.dtype (pre-Volta, GTX 16xx, bf16 before sm_80).
+    `fp32` forces it either way; otherwise :func:`multiplies_in_fp32` for x's dtype and device.
     """
-    if fp32 is not None:
-        return fp32
-    if os.environ.get("QAT4_PREFILL_FP32", "0") == "1" or x.dtype == torch.float32:
+    return fp32 if fp32 is not None else multiplies_in_fp32(x.dtype, x.device)
+
+
+def multiplies_in_fp32(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether prompt products of ``dtype`` activations on ``device`` run in fp32 rather than on
+    tensor cores: ``QAT4_PREFILL_FP32=1``, fp32 activations, or a CUDA device without usable
+    tensor cores for the dtype (pre-Volta, GTX 16xx, bf16 before sm_80)."""
+    if os.environ.get("QAT4_PREFILL_FP32", "0") == "1" or dtype == torch.float32:
         return True
-    return x.is_cuda and not has_tensor_cores(x.device, x.dtype)
+    device = torch.device(device)
+    return device.type == "cuda" and not has_tensor_cores(device, dtype)
 
 
 def w4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fp32: bool | None = None,
