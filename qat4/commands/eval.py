@@ -20,6 +20,7 @@ from qat4.errors import Qat4Error
 DEFAULT_CONCURRENCY = 8
 GSM8K_MAX_TOKENS = 2048
 RECALL_MAX_TOKENS = 16  # a six-digit code and a little more
+REFERENCE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 def add_parser(sub) -> None:
@@ -39,6 +40,7 @@ def add_parser(sub) -> None:
     recall.add_argument("--depths", default="4k,32k,128k", help="prompt sizes in tokens (default: %(default)s)")
     recall.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; each draws other codes (default: %(default)s)")
     recall.set_defaults(run=run_recall)
+    _add_kld_parser(tasks)
     compare = tasks.add_parser("compare", help="pair two runs of a task question by question",
                                description="Pair the JSONL files of two runs of one task by question: both right, "
                                "only A, only B, and B's accuracy minus A's with a 95%% paired-bootstrap interval "
@@ -48,6 +50,29 @@ def add_parser(sub) -> None:
     compare.add_argument("--names", default=None, metavar="A,B", help="column names (default: the file names)")
     compare.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     compare.set_defaults(run=run_compare)
+
+
+def _add_kld_parser(tasks) -> None:
+    p = tasks.add_parser(
+        "kld", help="KL divergence, same top token and perplexity ratio against a reference, in process",
+        description="Read WikiText-2 in chunks with the qat4 engine in this process and compare its next-token "
+        "distributions with a reference's, as llama-perplexity --kl-divergence does: --reference hf is "
+        "transformers' own Gemma 4 on the same weights; --reference FILE is a logits file that "
+        "llama-perplexity --save-all-logits (or --save-logits here) wrote, whose chunks are read instead of "
+        "the text. --save-logits FILE keeps qat4's own distributions in that format, for llama-perplexity "
+        "--kl-divergence-base FILE.")
+    p.add_argument("--model", required=True, metavar="PATH|ID",
+                   help="checkpoint folder or file, Hub id, or synthetic:e2b / synthetic:tiny")
+    p.add_argument("--device", choices=DEVICES, default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--reference", metavar="hf|FILE", help="what to compare with (default: nothing, perplexity only)")
+    p.add_argument("--reference-dtype", choices=sorted(REFERENCE_DTYPES), default="bf16",
+                   help="precision of --reference hf (default: %(default)s)")
+    p.add_argument("--save-logits", metavar="FILE", help="write qat4's distributions as a llama.cpp logits file")
+    p.add_argument("--chunks", type=int, default=16, metavar="N", help="chunks of the text (default: %(default)s)")
+    p.add_argument("--ctx", type=int, default=512, metavar="N", help="tokens per chunk (default: %(default)s)")
+    p.add_argument("--data", metavar="DIR", help="data folder (default: $QAT4_DATA, else ~/.cache/qat4/data)")
+    p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    p.set_defaults(run=run_kld)
 
 
 def _server_task(tasks, name: str, what: str, *, max_tokens: int,
@@ -178,3 +203,68 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"a": args.a, "b": args.b, **comparison.to_json()}, indent=2) + "\n")
     return 0
+
+
+def run_kld(args: argparse.Namespace) -> int:
+    import torch
+
+    from qat4.commands.bench import load_packed_for_bench
+    from qat4.commands.model_args import resolve_device, synthetic_tokenizer
+    from qat4.commands.progress import ProgressLine
+    from qat4.config import SYNTHETIC
+    from qat4.engine import Engine
+    from qat4.eval import data, kld
+    from qat4.eval.logits_file import LogitsFile, LogitsWriter
+
+    if args.chunks < 1 or args.ctx < 4:
+        raise Qat4Error("--chunks must be at least 1 and --ctx at least 4")
+    base = LogitsFile.open(args.reference) if args.reference not in (None, "hf") else None
+    n_ctx = base.n_ctx if base is not None else args.ctx
+    device = torch.device(resolve_device(args.device))
+    _log("kld", f"loading {args.model}")
+    packed = load_packed_for_bench(args.model, device, seed=0)
+    tokenizer = synthetic_tokenizer() if args.model.startswith(SYNTHETIC) else None
+    engine = Engine.from_packed(packed, device, tokenizer=tokenizer, max_ctx=n_ctx, max_num_seqs=1)
+    vocab = packed.config.vocab_size
+    if base is not None:
+        if base.n_vocab != vocab:
+            raise Qat4Error(f"{args.reference} holds distributions over {base.n_vocab} tokens; the model has {vocab}")
+        chunks, reference, name = base.chunks, lambda index, ids: base.log_probs(index), str(args.reference)
+    else:
+        if engine.tokenizer is None:
+            raise Qat4Error(f"{args.model} has no tokenizer to read the text with")
+        text = data.required(data.data_dir(args.data) / "wikitext-2" / "wiki.test.raw", "WikiText-2's test text")
+        chunks = kld.text_chunks(engine.tokenizer.encode(text.read_text(encoding="utf-8"), add_bos=True), args.chunks, n_ctx)
+        reference = name = None
+        if args.reference == "hf":
+            reference, name = kld.reference_of(_hf_logits(packed, device, args.reference_dtype)), f"transformers {args.reference_dtype}"
+    writer = LogitsWriter(args.save_logits, n_ctx, vocab, chunks) if args.save_logits else None
+    line = ProgressLine()
+    try:
+        report = kld.run(engine.logits, chunks, packed.config.bos_token_id, reference, name, writer,
+                         on_chunk=lambda done, total: line.update(f"[eval kld] chunk {done}/{total}"))
+    finally:
+        line.done()
+        if writer is not None:
+            writer.close()
+    print(kld.format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, **report.to_json()}, indent=2) + "\n")
+    return 0
+
+
+def _hf_logits(packed, device, dtype: str) -> Callable:
+    """transformers' Gemma 4 on `packed`'s weights in `dtype`, as a function of a chunk's ids."""
+    import torch
+
+    try:
+        from qat4.reference import cast, hf_model
+    except ImportError:
+        raise Qat4Error("--reference hf needs transformers: pip install 'qat4[eval]'") from None
+    model = cast(hf_model(packed, device), getattr(torch, REFERENCE_DTYPES[dtype]))
+
+    @torch.no_grad()
+    def logits(ids: list[int]) -> torch.Tensor:
+        return model(torch.tensor([ids], device=device)).logits[0].float()
+
+    return logits
