@@ -19,6 +19,7 @@ from qat4.errors import Qat4Error
 
 DEFAULT_CONCURRENCY = 8
 GSM8K_MAX_TOKENS = 2048
+BFCL_MAX_TOKENS = 1024
 RECALL_MAX_TOKENS = 16  # a six-digit code and a little more
 REFERENCE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
@@ -34,6 +35,12 @@ def add_parser(sub) -> None:
     gsm8k = _server_task(tasks, "gsm8k", "GSM8K test problems: the final number of each reply against the reference",
                          max_tokens=GSM8K_MAX_TOKENS)
     gsm8k.set_defaults(run=run_gsm8k)
+    bfcl = _server_task(tasks, "bfcl", "BFCL v4 function calling: each question's functions sent as tools, the "
+                        "tool calls scored by the Berkeley checker (bfcl-eval)", max_tokens=BFCL_MAX_TOKENS)
+    bfcl.add_argument("--categories", default="simple_python",
+                      help="comma-separated: simple_python, multiple, parallel, parallel_multiple, irrelevance; "
+                           "--limit applies to each (default: %(default)s)")
+    bfcl.set_defaults(run=run_bfcl)
     recall = _server_task(tasks, "recall", "long-context recall: the code of the record a quarter of the way into "
                           "a prompt of numbered records, at several depths and seeds, thinking off",
                           max_tokens=RECALL_MAX_TOKENS, concurrency=1)
@@ -175,6 +182,15 @@ def run_gsm8k(args: argparse.Namespace) -> int:
     _check_counts(args)
     questions = gsm8k.load(data.gsm8k_file(data.data_dir(args.data)), args.limit, args.max_tokens)
     return _run_questions(args, "gsm8k", questions, gsm8k.score)
+
+
+def run_bfcl(args: argparse.Namespace) -> int:
+    from qat4.eval import bfcl, data
+
+    _check_counts(args)
+    categories = bfcl.parse_categories(args.categories)
+    questions = bfcl.load(data.data_dir(args.data), categories, args.limit, args.max_tokens)
+    return _run_questions(args, "bfcl", questions, bfcl.score, lambda records: {"by_category": bfcl.by_category(records)})
 
 
 def run_recall(args: argparse.Namespace) -> int:
