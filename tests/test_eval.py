@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+from pathlib import Path
 
 import pytest
 from eval_harness import SHARED_DATA, last_user_text, scripted_server
@@ -195,7 +196,7 @@ def test_compare_command_prints_the_paired_table(tmp_path, capsys):
 
 def test_data_folder_comes_from_the_flag_then_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv(data.DATA_ENV, str(tmp_path))
-    assert data.data_dir("elsewhere") == data.data_dir("elsewhere").expanduser()
+    assert data.data_dir("~/elsewhere") == Path.home() / "elsewhere"
     assert data.data_dir(None) == tmp_path
     monkeypatch.delenv(data.DATA_ENV)
     assert data.data_dir(None) == data.DEFAULT_DATA_DIR.expanduser()
@@ -224,6 +225,13 @@ def test_gsm8k_is_fetched_from_the_hub_when_missing(monkeypatch, tmp_path):
     assert data.gsm8k_file(tmp_path / "data") == path and len(asked) == 1  # the second time it is local
 
 
+def test_an_empty_data_file_is_one_sentence(tmp_path, capsys):
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text("")
+    assert main(["eval", "gsm8k", "--url", "http://127.0.0.1:9", "--data", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.strip() == "qat4 eval: the gsm8k data has no questions"
+
+
 def test_gsm8k_offline_without_a_local_copy_is_one_sentence(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["eval", "gsm8k", "--url", "http://127.0.0.1:9", "--data", str(tmp_path)]) == 1
@@ -232,7 +240,8 @@ def test_gsm8k_offline_without_a_local_copy_is_one_sentence(monkeypatch, tmp_pat
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["eval", "gsm8k", "--url", "http://127.0.0.1:9", "--data", str(SHARED_DATA), "--limit", "1"], "cannot reach http://127.0.0.1:9"),
+    (["eval", "gsm8k", "--url", "http://127.0.0.1:9", "--data", str(SHARED_DATA), "--limit", "1"],
+     "cannot reach http://127.0.0.1:9"),
     (["eval", "gsm8k", "--url", "not a url", "--data", str(SHARED_DATA), "--limit", "1"], "cannot reach not a url"),
     (["eval", "gsm8k", "--data", str(SHARED_DATA)], "needs --url of a running server, or --model"),
     (["eval", "gsm8k", "--url", "http://127.0.0.1:9", "--concurrency", "0"], "--concurrency must be at least 1"),

@@ -68,7 +68,8 @@ def test_the_ground_truths_calls_score_one_in_every_category(questions):
 def test_wrong_calls_score_zero(questions):
     def wrong(q):
         tool = q.tools[0]["function"]["name"]
-        return {"content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": tool, "arguments": "{}"}}]}
+        call = {"id": "c", "type": "function", "function": {"name": tool, "arguments": "{}"}}
+        return {"content": None, "tool_calls": [call]}
 
     records = _run(questions, wrong)
     assert not any(r.correct for r in records)

@@ -91,7 +91,8 @@ def test_a_perturbed_copy_diverges(packed, engine, chunks):
     perturbed = copy.copy(packed)
     perturbed.tensors = dict(packed.tensors)
     name = next(n for n, t in packed.tensors.items() if n.endswith("norm") and isinstance(t, torch.Tensor))
-    perturbed.tensors[name] = packed.tensors[name] + 0.5 * torch.randn_like(packed.tensors[name].float()).to(packed.tensors[name].dtype)
+    weight = packed.tensors[name]
+    perturbed.tensors[name] = weight + (0.5 * torch.randn_like(weight.float())).to(weight.dtype)
     other = Engine.from_packed(perturbed, "cpu", max_ctx=N_CTX, max_num_seqs=1)
     report = kld.run(other.logits, chunks, TINY.bos_token_id, kld.reference_of(engine.logits), "original")
     assert report.mean_kld > 1e-4 and report.ppl_ratio != pytest.approx(1.0)

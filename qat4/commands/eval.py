@@ -45,7 +45,8 @@ def add_parser(sub) -> None:
                           "a prompt of numbered records, at several depths and seeds, thinking off",
                           max_tokens=RECALL_MAX_TOKENS, concurrency=1)
     recall.add_argument("--depths", default="4k,32k,128k", help="prompt sizes in tokens (default: %(default)s)")
-    recall.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; each draws other codes (default: %(default)s)")
+    recall.add_argument("--seeds", default="0,1,2",
+                        help="comma-separated seeds; each draws other codes (default: %(default)s)")
     recall.set_defaults(run=run_recall)
     _add_kld_parser(tasks)
     compare = tasks.add_parser("compare", help="pair two runs of a task question by question",
@@ -65,9 +66,9 @@ def _add_kld_parser(tasks) -> None:
         description="Read WikiText-2 in chunks with the qat4 engine in this process and compare its next-token "
         "distributions with a reference's, as llama-perplexity --kl-divergence does: --reference hf is "
         "transformers' own Gemma 4 on the same weights; --reference FILE is a logits file that "
-        "llama-perplexity --save-all-logits (or --save-logits here) wrote, whose chunks are read instead of "
-        "the text. --save-logits FILE keeps qat4's own distributions in that format, for llama-perplexity "
-        "--kl-divergence-base FILE.")
+        "llama-perplexity -f TEXT --kl-divergence-base FILE (or --save-logits here) wrote, whose chunks are read "
+        "instead of the text. --save-logits FILE keeps qat4's own distributions in that format, for "
+        "llama-perplexity --kl-divergence-base FILE --kl-divergence.")
     p.add_argument("--model", required=True, metavar="PATH|ID",
                    help="checkpoint folder or file, Hub id, or synthetic:e2b / synthetic:tiny")
     p.add_argument("--device", choices=DEVICES, default=None, help="default: cuda when available, else cpu")
@@ -147,6 +148,8 @@ def _run_questions(args: argparse.Namespace, task: str, questions: Sequence, sco
     from qat4.eval import records as eval_records
     from qat4.eval import runner
 
+    if not questions:
+        raise Qat4Error(f"the {task} data has no questions")
     line, done = ProgressLine(), {"questions": 0, "right": 0, "failed": 0}
 
     def show(record) -> None:
@@ -253,7 +256,8 @@ def run_kld(args: argparse.Namespace) -> int:
         chunks = kld.text_chunks(engine.tokenizer.encode(text.read_text(encoding="utf-8"), add_bos=True), args.chunks, n_ctx)
         reference = name = None
         if args.reference == "hf":
-            reference, name = kld.reference_of(_hf_logits(packed, device, args.reference_dtype)), f"transformers {args.reference_dtype}"
+            reference = kld.reference_of(_hf_logits(packed, device, args.reference_dtype))
+            name = f"transformers {args.reference_dtype}"
     writer = LogitsWriter(args.save_logits, n_ctx, vocab, chunks) if args.save_logits else None
     line = ProgressLine()
     try:

@@ -32,7 +32,8 @@ def load(path: Path, limit: int | None, max_tokens: int) -> list[Question]:
             expected = reference_answer(row["answer"])
             content = f"{row['question']}\n\n{INSTRUCTION}"
         except (ValueError, KeyError, TypeError):
-            raise Qat4Error(f"{path} line {number} is not a GSM8K problem (question, and an answer ending in #### N)") from None
+            raise Qat4Error(f"{path} line {number} is not a GSM8K problem "
+                            "(a question, and an answer ending in #### N)") from None
         questions.append(Question(f"gsm8k_{number - 1}", [{"role": "user", "content": content}], expected, max_tokens))
     return questions
 

@@ -1,5 +1,6 @@
-"""llama.cpp's logits file, as `llama-perplexity --kl-divergence-base FILE` reads it and
-`--save-all-logits FILE` writes it, read and written here so qat4 and llama.cpp compare both ways.
+"""llama.cpp's logits file, which `llama-perplexity -f TEXT --kl-divergence-base FILE` writes and
+`llama-perplexity --kl-divergence-base FILE --kl-divergence` reads, read and written here so qat4
+and llama.cpp can each be the other's base.
 
 Layout (little-endian): the 8 bytes `_logits_`; int32 n_ctx, n_vocab, n_chunk; the n_chunk * n_ctx
 int32 token ids of the chunks (each chunk is read with its first token replaced by BOS); then, chunk
