@@ -247,6 +247,8 @@ def test_gsm8k_offline_without_a_local_copy_is_one_sentence(monkeypatch, tmp_pat
     (["eval", "gsm8k", "--url", "http://127.0.0.1:9", "--concurrency", "0"], "--concurrency must be at least 1"),
     (["eval", "recall", "--url", "http://127.0.0.1:9", "--depths", "4k,x"], "--depths takes token counts"),
     (["eval", "compare", "/nonexistent/a.jsonl", "/nonexistent/b.jsonl"], "cannot read /nonexistent/a.jsonl"),
+    (["eval", "gsm8k", "--url", "http://127.0.0.1:9", "--data", str(SHARED_DATA), "--jsonl", "/nonexistent/r.jsonl"],
+     "cannot write /nonexistent/r.jsonl: there is no folder /nonexistent"),
 ])
 def test_bad_input_is_one_sentence(argv, message, capsys):
     assert main(argv) == 1

@@ -126,9 +126,9 @@ def _serving(args: argparse.Namespace, task: str) -> Iterator[Any]:
         return
     if not args.model:
         raise Qat4Error(f"qat4 eval {task} needs --url of a running server, or --model to start one")
-    url = f"http://{HOST}:{free_port()}"
-    command = serve_command(args.model, int(url.rsplit(":", 1)[1]), device=args.device, max_queue=args.concurrency,
-                            extra_args=server_args)
+    port = free_port()
+    url = f"http://{HOST}:{port}"
+    command = serve_command(args.model, port, device=args.device, max_queue=args.concurrency, extra_args=server_args)
     env = {**os.environ, "QAT4_API_KEY": args.api_key} if args.api_key else None
     _log(task, f"starting qat4 serve --model {args.model} on {url}")
     with ServerProcess(command, url, env=env):
@@ -150,6 +150,10 @@ def _run_questions(args: argparse.Namespace, task: str, questions: Sequence, sco
 
     if not questions:
         raise Qat4Error(f"the {task} data has no questions")
+    jsonl, summary_path = Path(args.jsonl or f"{task}.jsonl"), Path(args.json or f"{task}.json")
+    for path in (jsonl, summary_path):  # found out before the run rather than after it
+        if not path.parent.is_dir():
+            raise Qat4Error(f"cannot write {path}: there is no folder {path.parent}")
     line, done = ProgressLine(), {"questions": 0, "right": 0, "failed": 0}
 
     def show(record) -> None:
@@ -168,9 +172,8 @@ def _run_questions(args: argparse.Namespace, task: str, questions: Sequence, sco
         seconds = time.perf_counter() - start
     summary = eval_records.summary(task, records, url=server.url, model=server.model, concurrency=args.concurrency,
                                    wall_s=round(seconds, 3), **details(records))
-    jsonl, summary_path = args.jsonl or f"{task}.jsonl", args.json or f"{task}.json"
     eval_records.write_jsonl(records, jsonl)
-    Path(summary_path).write_text(json.dumps(summary, indent=2) + "\n")
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     _log(task, f"{len(records)} questions in {seconds:.1f} s; records in {jsonl}, summary in {summary_path}")
     if summary["failed_requests"] == len(records):

@@ -96,6 +96,7 @@ def decoded_calls(reply: Reply) -> list[dict[str, Any]]:
 
 
 def score(question: Question, reply: Reply) -> Verdict:
+    """The Berkeley checker's verdict on the reply's tool calls (for irrelevance: right when there are none)."""
     bfcl = _bfcl()
     category = question.extra["category"]
     try:

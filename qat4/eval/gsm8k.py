@@ -71,6 +71,7 @@ def extract(reply: str) -> str | None:
 
 
 def score(question: Question, reply: Reply) -> Verdict:
+    """Right when the reply's final number is the reference's."""
     answer = extract(reply.content)
     if answer is None:
         return Verdict(None, False, "no number in the reply")

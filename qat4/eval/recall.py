@@ -88,6 +88,7 @@ def questions(depths: Sequence[int], seeds: Sequence[int], tokenizer: Tokenizer,
 
 
 def score(question: Question, reply: Reply) -> Verdict:
+    """Right when the reply's first six-digit number is the asked record's code; a wrong one says whose it was."""
     codes = _CODE.findall(reply.content)
     if not codes:
         return Verdict(None, False, "no six-digit code in the reply")
