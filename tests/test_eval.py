@@ -64,12 +64,15 @@ def test_gsm8k_malformed_and_failed_replies_are_wrong_with_their_reason():
     def reply(solution):
         if solution.endswith("#### 18"):
             return JSONResponse({"error": {"message": "overloaded"}}, status_code=503)
+        if solution.endswith("#### 3"):
+            return JSONResponse({"choices": []})
         return {"content": "I cannot say."}
 
     records = _gsm8k_run(reply)
     assert not any(r.correct for r in records)
     assert records[0].reply is None and records[0].reason == "HTTP 503: overloaded"
-    assert records[1].answer is None and records[1].reason == "no number in the reply"
+    assert records[1].reply is None and records[1].reason.startswith("the server's answer is not a chat completion")
+    assert records[2].answer is None and records[2].reason == "no number in the reply"
 
 
 @pytest.mark.parametrize("reply, answer", [

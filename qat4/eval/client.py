@@ -35,7 +35,6 @@ class Reply:
 
     content: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # each {"name", "arguments" (JSON text)}
-    finish_reason: str | None = None
     error: str | None = None
 
     @property
@@ -67,10 +66,9 @@ async def chat(client: httpx.AsyncClient, body: dict[str, Any]) -> Reply:
     if response.status_code != 200:
         return Reply(error=f"HTTP {response.status_code}: {error_message(response.content)}")
     try:
-        choice = response.json()["choices"][0]
-        message = choice["message"]
+        message = response.json()["choices"][0]["message"]
         calls = [{"name": call["function"]["name"], "arguments": call["function"].get("arguments") or "{}"}
                  for call in message.get("tool_calls") or []]
-        return Reply(content=message.get("content") or "", tool_calls=calls, finish_reason=choice.get("finish_reason"))
+        return Reply(content=message.get("content") or "", tool_calls=calls)
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         return Reply(error=f"the server's answer is not a chat completion: {response.text[:200]!r}")
