@@ -19,6 +19,7 @@ COMMANDS = [
     "stop",
     "ask",
     "bench",
+    "eval",
     "repack",
     "verify",
     "doctor",

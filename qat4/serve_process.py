@@ -9,6 +9,7 @@ replies within 5 s, and killed if it is still there after a grace period. `qat4 
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -48,6 +49,17 @@ def serve_command(model: str, port: int, *, host: str = HOST, device: str | None
     if max_queue is not None:
         cmd += ["--max-queue", str(max_queue)]
     return cmd + list(extra_args)
+
+
+def split_server_args(text: str, command: str) -> list[str]:
+    """--server-args as words for a `qat4 serve` that `command` starts; the host and port are its to choose."""
+    try:
+        words = shlex.split(text)
+    except ValueError as exc:
+        raise Qat4Error(f"--server-args cannot be split into words ({exc})") from None
+    if any(w in ("--host", "--port") or w.startswith(("--host=", "--port=")) for w in words):
+        raise Qat4Error(f"--server-args must not set --host or --port; {command} picks a free loopback port")
+    return words
 
 
 def output_tail(output: IO[bytes], start: int = 0) -> str:

@@ -232,7 +232,7 @@ def test_the_gguf_package_reads_what_qat4_writes(written):
     assert len(byte_ids) == 256 and all(types[i] == TokenType.BYTE for i in byte_ids)
     tensors = {t.name: t for t in reader.tensors}
     freqs = tensors["rope_freqs.weight"]
-    assert freqs.tensor_type == GGMLQuantizationType.F32 and list(freqs.data[:8]) == [1.0] * 8 and freqs.data[8] == 1e30
+    assert freqs.tensor_type == GGMLQuantizationType.F32 and list(freqs.data[:8]) == [1.0] * 8 and freqs.data[8] == np.float32(1e30)
     assert tensors["blk.0.ffn_up.weight"].tensor_type == Q4_0 and list(tensors["blk.0.ffn_up.weight"].shape) == [128, 128]
     assert list(tensors["per_layer_token_embd.weight"].shape) == [SMALL.per_layer_width, SMALL.vocab_size]
     assert tensors["blk.0.attn_norm.weight"].tensor_type == GGMLQuantizationType.F32

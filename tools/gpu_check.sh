@@ -4,7 +4,7 @@
 # ./out). Compiled kernels stay in $TRITON_CACHE_DIR (default /tmp/qat4_triton_cache); the cache
 # also leaves as $OUT/triton_cache.tar.xz.NN (15 MiB parts), and parts found in .triton_cache/ are
 # unpacked into it first, so a fresh machine starts with the kernels an earlier one compiled.
-#   usage: tools/gpu_check.sh STEP...   steps: kernels sweep tests bench cap tune serve turns spec mtp profile all
+#   usage: tools/gpu_check.sh STEP...   steps: kernels sweep tests bench cap tune serve turns eval spec mtp profile all
 #     kernels  the int4 kernels at E2B decode shapes: GEMV, decode-batch kernel and GEMM at 2, 16, 64 rows
 #     sweep    every decode-batch tiling at 4, 16 and 64 rows (tools/bench_w4.py --sweep)
 #     tests    pytest -m gpu tests/gpu
@@ -13,6 +13,8 @@
 #     tune     qat4 bench --tune (saves decode tilings to $LOGS/decode_tilings.json, used by later steps)
 #     serve    qat4 bench serve at 1, 4, 16, 64 clients (512-token prompts, 128 new tokens)
 #     turns    qat4 bench serve --multi-turn: 1, then 8 conversations of 10 turns over an 8,000-word history
+#     eval     qat4 eval: all 1,319 GSM8K problems and the 400 BFCL simple questions against qat4 serve at 64
+#              clients, with their wall times (data from $EVAL_DATA, default ../shared/data)
 #     spec     qat4 bench speculative: verification cost and speed-up at acceptance 0 .. 0.9, batch 1 and 16
 #     mtp      the same with a synthetic E2B MTP drafter: its drafts' cost, paid in every replayed step
 #     profile  tools/profile_step.py at 1 and 64 sequences
@@ -81,6 +83,15 @@ if want turns; then
     for sessions in ${TURNS_SESSIONS:-1 8}; do
         timeout ${TURNS_TIMEOUT:-300} python3 -m qat4.cli bench serve "${E2B[@]}" --multi-turn 10 --sessions $sessions --input-len 8000 \
             --turn-len 64 --output-len 64 --json "$LOGS/bench_turns_$sessions.json" 2>&1 | tee "$LOGS/bench_turns_$sessions.log" | tail -16
+    done
+fi
+if want eval; then
+    for task in gsm8k bfcl; do
+        start=$SECONDS
+        timeout ${EVAL_TIMEOUT:-1800} python3 -m qat4.cli eval $task "${E2B[@]}" --concurrency ${EVAL_CONCURRENCY:-64} \
+            --data "${EVAL_DATA:-../shared/data}" --jsonl "$LOGS/eval_$task.jsonl" --json "$LOGS/eval_$task.json" 2>&1 \
+            | tee "$LOGS/eval_$task.log" | grep -E '"questions"|"accuracy"|"wall_s"|failed|Error'
+        echo "eval $task: wall time $((SECONDS - start)) s, server start included" | tee -a "$LOGS/eval_$task.log"
     done
 fi
 if want spec; then

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import time
 from collections import Counter
@@ -247,20 +246,9 @@ def _log(line: str) -> None:
     print(f"[bench serve] {line}", file=sys.stderr, flush=True)
 
 
-def _server_args(text: str) -> list[str]:
-    """--server-args as words; the host and port are the benchmark's to choose."""
-    try:
-        words = shlex.split(text)
-    except ValueError as exc:
-        raise Qat4Error(f"--server-args cannot be split into words ({exc})") from None
-    if any(w in ("--host", "--port") or w.startswith(("--host=", "--port=")) for w in words):
-        raise Qat4Error("--server-args must not set --host or --port; qat4 bench serve picks a free loopback port")
-    return words
-
-
 def run_serve(args: argparse.Namespace) -> int:
     from qat4 import bench_serve
-    from qat4.serve_process import HOST, ServerProcess, free_port, serve_command
+    from qat4.serve_process import HOST, ServerProcess, free_port, serve_command, split_server_args
 
     concurrencies = _int_list(args.concurrency, "--concurrency", 1, "numbers of clients of at least 1")
     if args.multi_turn is not None and (args.multi_turn < 1 or args.sessions < 1 or args.turn_len < 1):
@@ -273,7 +261,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise Qat4Error(f"--requests-per-level {args.requests_per_level} is fewer than the largest --concurrency "
                         f"{max(concurrencies)}; every client needs at least one request")
     compare = bench_serve.parse_compare(args.compare or [])
-    server_args = _server_args(args.server_args)
+    server_args = split_server_args(args.server_args, "qat4 bench serve")
     if args.url:
         if server_args or args.device:
             raise Qat4Error("--server-args and --device set up the qat4 serve that the benchmark starts; "
