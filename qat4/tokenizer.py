@@ -265,7 +265,7 @@ def _load_json_file(key: _FileKey) -> tokenizers.Tokenizer:
 def _read_gguf(key: _FileKey) -> _GgufTokenizer:
     """Read the metadata of one GGUF file and build its tokenizer."""
     try:
-        from qat4.checkpoint.gguf_file import GGUFFile
+        from qat4.checkpoint.gguf.container import GGUFFile
     except ImportError:  # the reader takes its type codes from the gguf package
         raise Qat4Error(f"reading the tokenizer of {key[0]} needs the 'gguf' package (pip install gguf)") from None
     return _GgufTokenizer.from_metadata(GGUFFile(key[0]))

@@ -13,7 +13,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
 from qat4.checkpoint.compressed_tensors import write_ct
-from qat4.checkpoint.gguf import write_gguf
+from qat4.checkpoint.gguf.writer import write_gguf
 from qat4.checkpoint.qat_bf16 import write_qat_bf16
 from qat4.checkpoint.source import AuxFiles
 from qat4.checkpoint.synth import GENERATION_CONFIG, synthetic_tensors

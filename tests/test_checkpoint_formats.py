@@ -154,7 +154,7 @@ def test_format_loads_the_same_levels_and_steps(fmt, folders, loaded, reference)
 
 def test_every_format_gives_identical_logits(loaded, reference, tmp_path):
     """The same synthetic weights saved as ct, ct-emb4, bf16 QAT and Q4_0 GGUF: bit-identical logits."""
-    from qat4.checkpoint.gguf import write_gguf
+    from qat4.checkpoint.gguf.writer import write_gguf
     from qat4.engine import Engine
 
     gguf = tmp_path / "tiny.gguf"

@@ -12,15 +12,11 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter, TokenType, quants
 
 from checkpoint_fixtures import CHAT_TEMPLATE, CONTROL, SMALL, USER_DEFINED, small_aux, write_small
-from qat4.checkpoint.gguf import (
-    GGUFSource,
-    canonical_name,
-    gguf_name,
-    packed_to_q4_0,
-    q4_0_to_packed,
-    write_gguf,
-)
-from qat4.checkpoint.gguf_file import GGUFFile
+from qat4.checkpoint.gguf.container import GGUFFile
+from qat4.checkpoint.gguf.names import canonical_name, gguf_name
+from qat4.checkpoint.gguf.q4_0 import packed_to_q4_0, q4_0_to_packed
+from qat4.checkpoint.gguf.reader import GGUFSource
+from qat4.checkpoint.gguf.writer import write_gguf
 from qat4.checkpoint.packed_model import expected_tensors
 from qat4.checkpoint.packing import PackedTensor, pack_levels
 from qat4.checkpoint.synth import synthetic_aux, synthetic_tensors

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoint_fixtures import SMALL, write_small
-from qat4.checkpoint import gguf as gguf_module
+from qat4.checkpoint.gguf import writer as gguf_writer
 from qat4.checkpoint import repack as repack_module
 from qat4.checkpoint.loader import open_checkpoint
 from qat4.checkpoint import packing
@@ -145,7 +145,7 @@ def test_failure_mid_write_leaves_no_output_and_no_temporary_folder(bf16, tmp_pa
     if to == "ct":
         monkeypatch.setattr(SafetensorsWriter, "write", fail_after_five(SafetensorsWriter.write))
     else:
-        monkeypatch.setattr(gguf_module, "_write_at", fail_after_five(gguf_module._write_at))
+        monkeypatch.setattr(gguf_writer, "_write_at", fail_after_five(gguf_writer._write_at))
     with pytest.raises(failure):
         repack(bf16, tmp_path / OUT_NAME[to], to)
     assert len(calls) == 6

@@ -40,7 +40,7 @@ def open_checkpoint(path_or_id: str | Path) -> CheckpointSource:
     path = resolve(path_or_id)
     family = _family(path)
     if family == "gguf":
-        from qat4.checkpoint.gguf import GGUFSource
+        from qat4.checkpoint.gguf.reader import GGUFSource
 
         return GGUFSource(path)
     return CompressedTensorsSource(path) if family == "ct" else QatBf16Source(path)

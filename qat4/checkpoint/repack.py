@@ -31,7 +31,8 @@ import torch
 
 from qat4.checkpoint import REPACK_TARGETS as TARGETS
 from qat4.checkpoint.compressed_tensors import TABLES, write_ct
-from qat4.checkpoint.gguf import require_exact_steps, write_gguf
+from qat4.checkpoint.gguf.q4_0 import require_exact_steps
+from qat4.checkpoint.gguf.writer import write_gguf
 from qat4.checkpoint.hf_layout import LM_HEAD
 from qat4.checkpoint.loader import open_checkpoint
 from qat4.checkpoint.packed_model import Tensor, expected_tensors, is_unused_shared_kv

@@ -155,7 +155,7 @@ def write_synthetic(out: str | Path, config: Gemma4Config, fmt: str, *, seed: in
             raise Qat4Error(f"{out} does not end in .gguf; for --format gguf, --out names the file to write")
         if out.exists() and not overwrite:
             raise Qat4Error(f"{out} already exists; pass --force to replace it")
-        from qat4.checkpoint.gguf import write_gguf
+        from qat4.checkpoint.gguf.writer import write_gguf
 
         write_gguf(out, config, tensors, aux)
     else:

@@ -523,7 +523,7 @@ class Engine:
 def stop_token_ids(generation_config: dict, eos_token_id: tuple[int, ...]) -> tuple[int, ...]:
     """The ids that end a generation: the checkpoint's generation_config ``eos_token_id`` (an id or
     a list), else its config's (for Gemma 4 <eos>, <turn|> and <|tool_response>; a GGUF's come
-    from its metadata, see :func:`qat4.checkpoint.gguf.config_from_gguf`)."""
+    from its metadata, see :func:`qat4.checkpoint.gguf.metadata.config_from_gguf`)."""
     eos = generation_config.get("eos_token_id")
     if isinstance(eos, int) and not isinstance(eos, bool):
         return (eos,)
