@@ -9,6 +9,7 @@ finish reason is then the generation's own (`length`), not `tool_calls`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -24,6 +25,7 @@ from qat4.server.errors import APIError, bad_request
 from qat4.server.generation import EngineLoop, Finished, Generation, GenerationParams, QueueFull, ShuttingDown
 from qat4.server.limits import RequestLimits
 from qat4.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from qat4.server.structured import chat_constraint, check_constrainable, completion_constraint
 
 
 @dataclass(frozen=True)
@@ -141,13 +143,20 @@ class Completions:
         ids = self._encode(prompt.text, "messages")
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         params = self._params(req, len(ids), req.token_limit(), param, "messages")
+        if prompt.grammar is not None:
+            if prompt.grammar.kind == "json" or req.tool_choice not in (None, "auto"):
+                check_constrainable(req, "response_format" if prompt.grammar.kind == "json" else "tool_choice")
+            if not req.ignore_eos:  # a free reply with tools runs past calls under ignore_eos, unconstrained
+                params = dataclasses.replace(params, constraint=chat_constraint(self.tokenizer, prompt.grammar))
         return Prepared(ids, params, req.include_usage, prompt.reply_prefix, prompt.thinking)
 
     def prepare_text(self, req: CompletionRequest) -> Prepared:
         """Encode a raw prompt and check it fits the context (CPU work: call off the loop)."""
         self.limits.check_text(req.prompt)
         ids = self._encode(req.prompt, "prompt")
-        return Prepared(ids, self._params(req, len(ids), req.max_tokens, "max_tokens", "prompt"), req.include_usage)
+        params = self._params(req, len(ids), req.max_tokens, "max_tokens", "prompt")
+        constraint = completion_constraint(self.tokenizer, req)
+        return Prepared(ids, dataclasses.replace(params, constraint=constraint), req.include_usage)
 
     def start(self, prepared: Prepared) -> Generation:
         """Queue the generation; 429 with Retry-After when the queue is full, 503 when shutting down."""
