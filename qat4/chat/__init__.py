@@ -300,7 +300,7 @@ class ReplyEvent:
     tool_call: dict[str, Any] | None = None
 
 
-def parse_reply(text: str, thinking: bool = False) -> Reply:
+def parse_reply(text: str, thinking: bool = False, tools: Sequence[Mapping[str, Any]] | None = None) -> Reply:
     """Split raw model output (special tokens kept as text) into content, reasoning and tool calls.
 
     `thinking` says thinking was enabled: a thought block left unterminated is then reasoning
@@ -308,8 +308,10 @@ def parse_reply(text: str, thinking: bool = False) -> Reply:
     out of content, a client that does not read reasoning loses nothing by it, and one that does sees
     what the tokens it is billed for said. Text from the first stop marker (`<turn|>`, `<|tool_response>`,
     `<eos>`) on is ignored. A tool call that is cut off or does not parse is an invalid tool call.
+    `tools` (OpenAI function tools) lets the call parser repair by the parameters' schemas (see
+    `_CallParser`).
     """
-    stream = ReplyStream(thinking)
+    stream = ReplyStream(thinking, tools)
     stream.feed(text)
     return stream.finish()
 
@@ -344,9 +346,11 @@ class ReplyStream:
     `parse_reply` gives for the concatenated deltas.
     """
 
-    def __init__(self, thinking: bool = False):
-        """`thinking`: whether thinking was enabled (see `parse_reply`)."""
+    def __init__(self, thinking: bool = False, tools: Sequence[Mapping[str, Any]] | None = None):
+        """`thinking`: whether thinking was enabled; `tools`: the request's function tools (see `parse_reply`)."""
         self._thinking = thinking
+        self._parameters = {t["function"]["name"]: t["function"].get("parameters") for t in tools or ()
+                            if isinstance(t, Mapping) and isinstance(t.get("function"), Mapping)}
         self._state = _State.CONTENT
         self._pending = ""
         self._label_pending = False
@@ -460,7 +464,7 @@ class ReplyStream:
         of the text may be the token cap, and a call cut there is reported, not guessed at.
         """
         try:
-            call = _CallParser(self._call, repair=marker is not None).call()
+            call = _CallParser(self._call, repair=marker is not None, parameters=self._parameters).call()
         except (ValueError, RecursionError) as exc:
             error = (f"the call does not parse: {_reason(exc)}" if marker == CALL_CLOSE
                      else f"the call ends before its closing {CALL_CLOSE}")
@@ -532,6 +536,11 @@ class _Malformed(ValueError):
     """The text is not a tool call."""
 
 
+def _is_string(schema: Any) -> bool:
+    """Whether a property's JSON Schema types it as a string (and nothing else)."""
+    return isinstance(schema, Mapping) and schema.get("type") == "string"
+
+
 _SINGLE_QUOTE_END = re.compile(r"'(?:" + re.escape(STRING_DELIM) + r")?(?=\s*[,}\]])")
 _NUMBER = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 _LITERALS: dict[str, Any] = {"true": True, "false": False, "null": None, "None": None}
@@ -547,14 +556,21 @@ class _CallParser:
     sometimes quotes a value Python-style, `'text'`, at times with a stray `<|"|>` after it: that is
     the string `text`, verbatim, its end the quote that a `,`, `}` or `]` follows.
 
-    With `repair`, a slip Gemma 4 is known to make is mended: a `<|"|>` string left open runs to the
-    call's final `}` (`{a:<|"|>hello}` is `{"a": "hello"}`).
+    With `repair`, slips Gemma 4 is known to make are mended: a `<|"|>` string left open runs to the
+    call's final `}` (`{a:<|"|>hello}` is `{"a": "hello"}`); and where the function's schema (in
+    `parameters`, by function name) types a property as a string, a value written without any
+    delimiter is that string, verbatim (commas, colons, line breaks and all), up to the next
+    `,KEY:` of a property of the same object, or for the arguments' last property up to their final
+    `}` or, when that is missing too, the end of the call (`{content:# Title\n\nText, more` is
+    `{"content": "# Title\n\nText, more"}`). A value that starts like a number, literal, string,
+    list or object is never taken raw.
     """
 
-    def __init__(self, text: str, repair: bool = False):
+    def __init__(self, text: str, repair: bool = False, parameters: Mapping[str, Any] | None = None):
         self._text = text
         self._pos = 0
         self._repair = repair
+        self._parameters = parameters or {}
 
     def call(self) -> dict[str, Any]:
         """The whole body: name and argument object, nothing after it but whitespace."""
@@ -563,14 +579,14 @@ class _CallParser:
         name = self._until("{").strip()
         if not name or _NAME_FORBIDDEN.intersection(name):
             raise _Malformed(f"bad function name {name!r}")
-        arguments = self._object()
+        arguments = self._object(self._parameters.get(name), outermost=True)
         self._skip_space()
         if self._pos != len(self._text):
             raise _Malformed("text after the arguments")
         return {"name": name, "arguments": arguments}
 
-    def _value(self) -> Any:
-        """Any value."""
+    def _value(self, schema: Any = None) -> Any:
+        """Any value (of `schema`, when known)."""
         self._skip_space()
         if self._text.startswith(STRING_DELIM, self._pos):
             return self._delimited_string()
@@ -578,28 +594,59 @@ class _CallParser:
         if first == '"':
             return self._json_string()
         if first == "{":
-            return self._object()
+            return self._object(schema)
         if first == "[":
-            return self._array()
+            return self._array(schema.get("items") if isinstance(schema, Mapping) else None)
         if first == "'" and (quoted := self._single_quoted_string()) is not None:
             return quoted
         return self._scalar()
 
-    def _object(self) -> dict[str, Any]:
-        """`{key:value,...}`."""
+    def _object(self, schema: Any = None, outermost: bool = False) -> dict[str, Any]:
+        """`{key:value,...}`, of `schema` when known (see the class on repairs)."""
         self._expect("{")
+        properties = schema.get("properties") if isinstance(schema, Mapping) else None
+        properties = properties if isinstance(properties, Mapping) else {}
         result: dict[str, Any] = {}
         for _ in self._items("}"):
             key = self._key()
             self._skip_space()
             self._expect(":")
-            result[key] = self._value()
+            sub = properties.get(key)
+            raw = self._raw_string(properties, outermost) if self._repair and _is_string(sub) else None
+            if raw is not None:
+                result[key] = raw
+                if self._pos == len(self._text):  # the arguments' closing brace is missing too
+                    return result
+            else:
+                result[key] = self._value(sub)
         return result
 
-    def _array(self) -> list[Any]:
-        """`[value,...]`."""
+    def _raw_string(self, properties: Mapping[str, Any], outermost: bool) -> str | None:
+        """A string-typed value written without delimiters (see the class), or None when the value
+        is not one."""
+        rest = self._text[self._pos:]
+        head = rest.lstrip()
+        if not head or head.startswith((STRING_DELIM, '"', "'", "{", "[")):
+            return None
+        word = re.match(r"[^,}\]]*", head).group().strip()
+        if word in _LITERALS or _NUMBER.fullmatch(word):
+            return None
+        keys = "|".join(re.escape(k) for k in sorted(properties, key=len, reverse=True))
+        after = re.search(rf",\s*(?:{keys})\s*:", rest) if keys else None
+        if after is not None:
+            end = after.start()
+        elif not outermost:
+            return None
+        else:
+            body = rest.rstrip()
+            end = len(body) - 1 if body.endswith("}") else len(rest)
+        self._pos += end
+        return rest[:end]
+
+    def _array(self, items: Any = None) -> list[Any]:
+        """`[value,...]` (of the item schema `items`, when known)."""
         self._expect("[")
-        return [self._value() for _ in self._items("]")]
+        return [self._value(items) for _ in self._items("]")]
 
     def _items(self, close: str) -> Iterator[None]:
         """Yield once per comma-separated item (parsed by the caller) until `close`, which it consumes.

@@ -37,6 +37,7 @@ class Prepared:
     include_usage: bool
     reply_prefix: str = ""
     thinking: bool = False
+    tools: tuple[dict[str, Any], ...] = ()  # the request's function tools, whose schemas guide the call parser's repairs
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -67,9 +68,9 @@ def _finish_reason(done: Finished, calls: int, invalid_calls: int) -> str:
     return "tool_calls" if calls and not invalid_calls else done.finish_reason
 
 
-def _parse_whole(text: str, thinking: bool) -> tuple[Reply, list[ReplyEvent]]:
+def _parse_whole(text: str, thinking: bool, tools: tuple[dict[str, Any], ...]) -> tuple[Reply, list[ReplyEvent]]:
     """The parsed reply and its calls, valid and invalid, in the order the model wrote them."""
-    stream = ReplyStream(thinking)
+    stream = ReplyStream(thinking, tools)
     events = stream.feed(text) + stream.flush()
     return stream.finish(), [e for e in events if e.kind in _CALL_EVENTS]
 
@@ -148,7 +149,8 @@ class Completions:
                 check_constrainable(req, "response_format" if prompt.grammar.kind == "json" else "tool_choice")
             if not req.ignore_eos:  # a free reply with tools runs past calls under ignore_eos, unconstrained
                 params = dataclasses.replace(params, constraint=chat_constraint(self.tokenizer, prompt.grammar))
-        return Prepared(ids, params, req.include_usage, prompt.reply_prefix, prompt.thinking)
+        tools = tuple(t.model_dump(exclude_none=True) for t in req.tools or ())
+        return Prepared(ids, params, req.include_usage, prompt.reply_prefix, prompt.thinking, tools)
 
     def prepare_text(self, req: CompletionRequest) -> Prepared:
         """Encode a raw prompt and check it fits the context (CPU work: call off the loop)."""
@@ -177,7 +179,7 @@ class Completions:
     async def chat(self, prepared: Prepared, gen: Generation) -> dict[str, Any]:
         """The whole chat.completion object."""
         text, done = await _collect(gen)
-        reply, call_events = _parse_whole(prepared.reply_prefix + text, prepared.thinking)
+        reply, call_events = _parse_whole(prepared.reply_prefix + text, prepared.thinking, prepared.tools)
         message: dict[str, Any] = {"role": "assistant", "content": reply.content,
                                    "reasoning_content": reply.reasoning}
         if call_events:
@@ -196,7 +198,7 @@ class Completions:
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
             return sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra})
 
-        parser, calls, invalid_calls, done = ReplyStream(thinking=prepared.thinking), 0, 0, None
+        parser, calls, invalid_calls, done = ReplyStream(prepared.thinking, prepared.tools), 0, 0, None
         try:
             yield chunk({"role": "assistant", "content": ""})
             async with aclosing(gen.events()) as events:
