@@ -91,7 +91,9 @@ def test_json_schema_replies_validate(server, stream):
         return content
 
     for content in many(one):
-        jsonschema.validate(json.loads(content), PERSON)
+        person = json.loads(content)
+        jsonschema.validate(person, PERSON)
+        assert list(person) == [key for key in PERSON["properties"] if key in person]  # in the schema's order
 
 
 def test_json_object_reply_is_an_object(server):

@@ -1,7 +1,7 @@
 """The grammar of Gemma 4 tool calls, `<|tool_call>call:NAME{key:value,...}<tool_call|>`, written
 from the tools' JSON Schemas as xgrammar EBNF.
 
-The syntax is the one `qat4.chat`'s call parser reads (``_CallParser``): no whitespace; bare keys
+The syntax is the one qat4's call parser reads (:mod:`qat4.chat.tool_calls`): no whitespace; bare keys
 (a key that is not a plain word is `<|"|>`-delimited); strings between `<|"|>` delimiters; numbers,
 `true`, `false` and `null` as in JSON; `[...]` arrays and `{...}` objects. Per schema:
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import xgrammar
 
-from qat4.chat import CALL_CLOSE, CALL_OPEN, CALL_PREFIX, STRING_DELIM
+from qat4.chat.markup import CALL_CLOSE, CALL_OPEN, CALL_PREFIX, STRING_DELIM
 
 BARE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 _EMBEDDED_RULE = re.compile(r"\b(root(?:_\d+)*|basic_\w+)\b")
@@ -110,7 +110,7 @@ class CallGrammar:
 
     def _rule(self, schema: Any, build) -> str:
         """The name of the rule for ``schema``, built once by ``build(name) -> rule lines``."""
-        key = json.dumps(schema, sort_keys=True)
+        key = json.dumps(schema)
         if key not in self._by_schema:
             name = f"v{len(self._by_schema)}"
             self._by_schema[key] = name

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import xgrammar
 
-from qat4.chat import CALL_CLOSE, CALL_OPEN, STRING_DELIM, THOUGHT_CLOSE, THOUGHT_OPEN
 from qat4.chat.call_grammar import CallGrammar, literal
+from qat4.chat.markup import CALL_CLOSE, CALL_OPEN, STRING_DELIM, THOUGHT_CLOSE, THOUGHT_OPEN
 from qat4.errors import Qat4Error
 
 MARKERS = (CALL_OPEN, CALL_CLOSE, STRING_DELIM, THOUGHT_OPEN, THOUGHT_CLOSE)
@@ -102,7 +102,7 @@ class Grammars:
         line breaks or indents (xgrammar's separators `, ` and `: `); with ``thinking`` a thought
         block may come first; ``prefix``: its opening the prompt holds. Raises ValueError for a
         schema xgrammar cannot compile."""
-        text = json.dumps({"type": "object"} if schema is None else schema, sort_keys=True)
+        text = json.dumps({"type": "object"} if schema is None else schema)  # property order is the order written
         return GrammarConstraint(self.compiled("json_thinking" if thinking else "json", text), prefix=prefix)
 
     def gbnf(self, grammar: str) -> GrammarConstraint:

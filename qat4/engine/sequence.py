@@ -147,7 +147,8 @@ class Sequence:
         if self.constraint is not None:
             was_masked = self.constraint.active
             self.constraint.accept(token)
-            self.stale = self.pending if self.constraint.active and not was_masked else 0
+            if self.constraint.active and not was_masked:  # the tokens launched after this one were not masked
+                self.stale = self.pending
         self.output.append(token)
         if len(self.output) == 1:
             self.first_token_at = now
