@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import tokenizers
 from tokenizers import AddedToken, decoders, models, normalizers, processors
 
-from qat4.chat import RESPONSE_OPEN, TURN_CLOSE
+from qat4.chat.markup import RESPONSE_OPEN, TURN_CLOSE
 from qat4.errors import Qat4Error
 
 BOS = "<bos>"
