@@ -209,6 +209,28 @@ def test_a_constraint_switched_on_mid_reply_drops_the_token_picked_without_it():
     jsonschema.validate(call["arguments"], BOOKING["function"]["parameters"])
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+def test_an_opened_call_is_constrained_then_the_reply_is_free_again_or_ends(parallel):
+    """Auto mode: free until `<|tool_call>`, the call's grammar until `<tool_call|>`; then free
+    again for more calls, or (parallel_tool_calls false) only a stop token."""
+    tokenizer = tiny_tokenizer()
+    grammars = grammars_for(tokenizer)
+    constraint = grammars.tool_calls([WEATHER], "open", parallel=parallel)
+    for token in tokenizer.encode("Let me look."):
+        constraint.accept(token)
+    assert not constraint.active
+    constraint.accept(grammars.call_open)
+    assert constraint.active
+    for token in tokenizer.encode('call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>'):
+        constraint.accept(token)
+    assert constraint.active is not parallel
+    if not parallel:
+        bitmasks = xgrammar.allocate_token_bitmask(1, grammars.vocab_size)
+        constraint.fill(bitmasks, 0)
+        allowed = [t for t in range(grammars.vocab_size) if (bitmasks[0, t // 32] >> (t % 32)) & 1]
+        assert allowed == sorted(set(tokenizer.stop_ids))
+
+
 def test_call_grammar_follows_the_parser():
     """Texts the grammar accepts are calls qat4's parser reads with the same values."""
     from qat4.chat import parse_reply

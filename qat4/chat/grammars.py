@@ -48,16 +48,19 @@ _THOUGHT = f"{literal(THOUGHT_OPEN)} ([^<] | \"<\" [^c])* {literal(THOUGHT_CLOSE
 class GrammarConstraint:
     """One sequence's place in a compiled grammar (the engine's ``TokenConstraint``).
 
-    With a ``trigger`` token the constraint starts inactive (the sequence picks freely), becomes
-    active when the trigger is accepted and inactive again once the grammar is complete: a tool call
-    that the model opens (`<|tool_call>`) in a free reply is then written to the call grammar.
-    Without a trigger it is active from the first token on.
+    With a ``trigger`` token the constraint starts inactive (the sequence picks freely) and becomes
+    active when the trigger is accepted: a tool call that the model opens (`<|tool_call>`) in a free
+    reply is then written to the call grammar. Once the grammar is complete it is inactive again,
+    waiting for the next trigger, when ``rearm``; otherwise it stays active, and only a stop token
+    may follow. Without a trigger it is active from the first token on.
     """
 
-    def __init__(self, compiled: xgrammar.CompiledGrammar, trigger: int | None = None, prefix: str = ""):
+    def __init__(self, compiled: xgrammar.CompiledGrammar, trigger: int | None = None, prefix: str = "",
+                 rearm: bool = True):
         """``prefix``: text of the reply that the prompt already holds (the grammar starts before it)."""
         self._matcher = xgrammar.GrammarMatcher(compiled)
         self._trigger = trigger
+        self._rearm = rearm
         self.active = trigger is None
         if prefix and not self._matcher.accept_string(prefix):
             raise ValueError(f"the reply's opening {prefix!r} does not follow the grammar")
@@ -74,7 +77,7 @@ class GrammarConstraint:
             return
         if not self._matcher.accept_token(token):
             raise Qat4Error(f"token {token} does not follow the grammar; it was picked without its mask")
-        if self._trigger is not None and self._matcher.is_completed():
+        if self._trigger is not None and self._rearm and self._matcher.is_completed():
             self._matcher.reset()
             self.active = False
 
@@ -113,9 +116,11 @@ class Grammars:
     def tool_calls(self, tools: Sequence[Mapping[str, Any]], start: str, names: Sequence[str] | None = None,
                    parallel: bool = True) -> GrammarConstraint:
         """Tool calls of ``tools`` from ``start`` on (:meth:`qat4.chat.call_grammar.CallGrammar.text`);
-        ``start`` "open" gives a constraint that activates at each `<|tool_call>` the model writes."""
+        ``start`` "open" gives a constraint that activates at the `<|tool_call>` the model writes,
+        and without ``parallel`` ends the reply after that one call."""
         text = CallGrammar(tools).text(start, names, parallel)
-        return GrammarConstraint(self.compiled("ebnf", text), self.call_open if start == "open" else None)
+        trigger = self.call_open if start == "open" else None
+        return GrammarConstraint(self.compiled("ebnf", text), trigger, rearm=parallel)
 
     def _compile(self, kind: str, text: str) -> xgrammar.CompiledGrammar:
         """The compiled grammar of ``kind`` ("json", "json_thinking", "ebnf", "gbnf") and its text; raises

@@ -9,7 +9,7 @@ How request options reach the model:
   The calls are then constrained to Gemma 4's call syntax and the functions' parameter schemas
   (:mod:`qat4.chat.call_grammar`), one call or, with `parallel_tool_calls` (the default), several.
 - With tools offered and `tool_choice` "auto" (or unset), a call the model opens (`<|tool_call>`) is
-  constrained the same way from there on.
+  constrained the same way from there on (without `parallel_tool_calls`, the reply ends after it).
 - `response_format` `json_object` / `json_schema` adds an instruction to the system turn (with the
   schema, when given) and, when thinking is off and no tools are offered, appends `{` so the reply
   starts as a JSON object. The reply is constrained to JSON matching the schema (any object for
