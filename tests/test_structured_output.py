@@ -248,14 +248,16 @@ def test_call_grammar_follows_the_parser():
         assert not xgrammar.GrammarMatcher(compiled).accept_string(bad), bad
 
 
-def test_json_strings_never_hold_markup_tokens():
+@pytest.mark.parametrize("string", [{"type": "string"}, {"type": "string", "maxLength": 5}])
+def test_json_strings_never_hold_markup_or_control_characters(string):
     grammars = grammars_for(tiny_tokenizer())
-    constraint: GrammarConstraint = grammars.json({"type": "object", "properties": {"a": {"type": "string"}}})
+    constraint: GrammarConstraint = grammars.json({"type": "object", "properties": {"a": string}})
     bitmasks = xgrammar.allocate_token_bitmask(1, grammars.vocab_size)
     for token in tiny_tokenizer().encode('{"a": "'):
         constraint.accept(token)
     constraint.fill(bitmasks, 0)
     allowed = lambda token: bool((bitmasks[0, token // 32] >> (token % 32)) & 1)  # noqa: E731
     markers = [tiny_tokenizer().token_to_id(t) for t in ("<turn|>", "<|tool_call>", "<|channel>", "<eos>")]
+    markers += [tiny_tokenizer().pieces().index(c) for c in ("\t", "\n")]
     assert not any(allowed(t) for t in markers)
     assert allowed(tiny_tokenizer().encode("hello")[0])

@@ -12,9 +12,11 @@ by :func:`qat4.engine.sampler.mask_logits`.
 
 The vocabulary is given to xgrammar as raw bytes: `▁` is a space, `<0xNN>` the byte NN. Control
 tokens, unused ids and the chat template's markers are *special* (never part of grammar text), so a
-JSON string can never hold `<turn|>` or open a tool call. Grammars that need markers (tool calls,
-thinking before JSON) are compiled over a second view of the vocabulary in which `<|tool_call>`,
-`<tool_call|>`, `<|"|>`, `<|channel>` and `<channel|>` are their text. After a grammar is complete
+JSON string can never hold `<turn|>` or open a tool call. Three views of the vocabulary: "text"
+(GBNF grammars); "json", which also leaves out tokens holding a control character (JSON without
+whitespace never needs one raw, and xgrammar's rule for a string with `maxLength` lets them
+through); and "markup", in which `<|tool_call>`, `<tool_call|>`, `<|"|>`, `<|channel>` and
+`<channel|>` are their text, for grammars that need markers (tool calls, thinking before JSON). After a grammar is complete
 only the stop tokens (`<eos>`, `<turn|>`, `<|tool_response>`) may follow.
 
 Compiled grammars are cached per tokenizer and grammar (xgrammar's compiled form is shared by every
@@ -89,13 +91,12 @@ class Grammars:
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.vocab_size
         self.call_open = tokenizer.token_to_id(CALL_OPEN)
-        plain, markup = _vocabularies(tokenizer)
         stops = list(dict.fromkeys(tokenizer.stop_ids))
         self._compilers = {
-            markup_kind: xgrammar.GrammarCompiler(
+            view: xgrammar.GrammarCompiler(
                 xgrammar.TokenizerInfo(vocab, vocab_type=xgrammar.VocabType.RAW, vocab_size=self.vocab_size,
                                        stop_token_ids=stops), max_threads=2)
-            for markup_kind, vocab in ((False, plain), (True, markup))
+            for view, vocab in _vocabularies(tokenizer).items()
         }
         self._lock = threading.Lock()
         self.compiled = functools.lru_cache(maxsize=COMPILED_CACHE)(self._compile)
@@ -128,13 +129,13 @@ class Grammars:
         try:
             with self._lock:
                 if kind == "json":
-                    return self._compilers[False].compile_json_schema(text, any_whitespace=False, strict_mode=True)
+                    return self._compilers["json"].compile_json_schema(text, any_whitespace=False, strict_mode=True)
                 if kind == "gbnf":
-                    return self._compilers[False].compile_grammar(text)
+                    return self._compilers["text"].compile_grammar(text)
                 grammar = xgrammar.Grammar.from_ebnf(text) if kind == "ebnf" else xgrammar.Grammar.concat(
                     xgrammar.Grammar.from_ebnf(f"root ::= ({_THOUGHT})?"),
                     xgrammar.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True))
-                return self._compilers[True].compile_grammar(grammar)
+                return self._compilers["markup"].compile_grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from None
 
@@ -152,18 +153,18 @@ def grammars_for(tokenizer) -> Grammars:
         return grammars
 
 
-def _vocabularies(tokenizer) -> tuple[list[bytes], list[bytes]]:
-    """Each token's bytes, special tokens empty: (markers special too, markers as their text)."""
+def _vocabularies(tokenizer) -> dict[str, list[bytes]]:
+    """Each token's bytes, special tokens empty, in the three views of the module docstring."""
     added = tokenizer.added_tokens()
-    plain: list[bytes] = []
-    markup: list[bytes] = []
+    views: dict[str, list[bytes]] = {"text": [], "json": [], "markup": []}
     for i, piece in enumerate(tokenizer.pieces()):
         if i in added or _UNUSED_TOKEN.fullmatch(piece):
-            plain.append(b"")
-            markup.append(piece.encode() if piece in MARKERS else b"")
-            continue
-        byte = _BYTE_TOKEN.fullmatch(piece)
-        text = bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode()
-        plain.append(text)
-        markup.append(text)
-    return plain, markup
+            text = b""
+            markup = piece.encode() if piece in MARKERS else b""
+        else:
+            byte = _BYTE_TOKEN.fullmatch(piece)
+            text = markup = bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode()
+        views["text"].append(text)
+        views["json"].append(b"" if any(b < 0x20 for b in text) else text)
+        views["markup"].append(markup)
+    return views
