@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import tokenizers
 from tokenizers import AddedToken, decoders, models, normalizers, processors
 
-from qat4.chat import RESPONSE_OPEN, TURN_CLOSE
+from qat4.chat.markup import RESPONSE_OPEN, TURN_CLOSE
 from qat4.errors import Qat4Error
 
 BOS = "<bos>"
@@ -114,6 +114,14 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of `ids`; control tokens are kept as text unless `skip_special`."""
         return self._hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def pieces(self) -> list[str]:
+        """Every token's vocabulary entry by id (`▁` for a space, `<0xNN>` for a byte, added tokens as written)."""
+        return [self._hf.id_to_token(i) or "" for i in range(self.vocab_size)]
+
+    def added_tokens(self) -> dict[int, str]:
+        """The added tokens (control tokens and the chat template's markers) by id."""
+        return {i: t.content for i, t in self._hf.get_added_tokens_decoder().items()}
 
     def token_to_id(self, token: str) -> int:
         """Id of one vocabulary entry; raises Qat4Error when `token` is not in the vocabulary."""

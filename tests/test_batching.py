@@ -15,7 +15,7 @@ from qat4.engine import Engine
 from qat4.engine.kv_cache import BlockAllocator, KVPool, PoolExhausted, pool_blocks
 from qat4.engine.scheduler import Scheduler
 from qat4.engine.sequence import Sequence, State
-from qat4.engine.sampler import SamplingParams
+from qat4.engine.sampler import SamplingParams, mask_logits
 from qat4.errors import Qat4Error
 
 CHUNK = 8
@@ -50,9 +50,11 @@ def record_logits(engine: Engine) -> dict:
     """Wrap the runner's token pick so every sampled row's logits are kept, by (sequence, position)."""
     seen = {}
 
-    def recording(h, slots, positions, keep):
+    def recording(h, slots, positions, keep, masked=False):
         owners = {s.slot: s for s in engine.scheduler.running}
         logits = engine.model.logits(h)
+        if masked:
+            mask_logits(logits, engine.runner.allowed[slots])
         for row, (slot, pos) in enumerate(zip(slots.tolist(), positions.tolist())):
             seen[(owners[slot].id, pos)] = logits[row]
         return logits.argmax(-1) if keep == 1 else engine.runner.sample(logits, slots, positions, keep)

@@ -450,3 +450,46 @@ def test_a_template_from_a_checkpoint_renders_in_the_sandbox():
         render_prompt([{"role": "user", "content": "hi"}], template="{{ ''.__class__.__mro__[1].__subclasses__() }}")
     shipped = render_prompt([{"role": "user", "content": "hi"}])
     assert render_prompt([{"role": "user", "content": "hi"}], template=default_chat_template()) == shipped
+
+
+WRITE_TOOL = {"type": "function", "function": {"name": "write", "parameters": {"type": "object", "properties": {
+    "content": {"type": "string"}, "mode": {"type": "string"}, "n": {"type": "number"}}}}}
+
+# A value written without delimiters is a string only where the tool's schema types the property as
+# one, and only in a call the model closed: (raw reply, expected).
+SCHEMA_REPLIES = {
+    "raw_terminal_multiline": (f"<|tool_call>call:write{{content:\n\n# Title, with: colons}}<tool_call|>",
+                               Reply(tool_calls=[{"name": "write", "arguments": {"content": "\n\n# Title, with: colons"}}])),
+    "raw_before_next_property": (f"<|tool_call>call:write{{content:hello, world,mode:{D}fast{D}}}<tool_call|>",
+                                 Reply(tool_calls=[{"name": "write", "arguments": {"content": "hello, world",
+                                                                                   "mode": "fast"}}])),
+    "raw_without_object_close": ("<|tool_call>call:write{content:hello, world<tool_call|><|tool_response>",
+                                 Reply(tool_calls=[{"name": "write", "arguments": {"content": "hello, world"}}])),
+    "raw_in_content_then_text": ("<|tool_call>call:write{content:a, b}<tool_call|>Done.",
+                                 Reply("Done.", tool_calls=[{"name": "write", "arguments": {"content": "a, b"}}])),
+    "number_property_not_repaired": ("<|tool_call>call:write{n:hello, world}<tool_call|>",
+                                     Reply(invalid_tool_calls=[_invalid("write", "{n:hello, world}", "expected ':' at 25")])),
+    "unknown_function_not_repaired": ("<|tool_call>call:other{content:hello, world}<tool_call|>",
+                                      Reply(invalid_tool_calls=[_invalid("other", "{content:hello, world}",
+                                                                         "expected ':' at 31")])),
+    "literal_start_stays_a_number": ("<|tool_call>call:write{content:123}<tool_call|>",
+                                     Reply(tool_calls=[{"name": "write", "arguments": {"content": 123}}])),
+    "cut_off_not_guessed": ("<|tool_call>call:write{content:hello, world",
+                            Reply(invalid_tool_calls=[_invalid("write", "{content:hello, world", UNFINISHED)])),
+}
+
+
+@pytest.mark.parametrize("name", SCHEMA_REPLIES)
+def test_schema_gated_repairs(name):
+    text, expected = SCHEMA_REPLIES[name]
+    assert parse_reply(text, tools=[WRITE_TOOL]) == expected
+    for chunks in (list(text), [text[:len(text) // 2], text[len(text) // 2:]]):
+        stream = ReplyStream(tools=[WRITE_TOOL])
+        events = [event for chunk in chunks for event in stream.feed(chunk)] + stream.flush()
+        assert stream.finish() == expected
+        assert [e.tool_call for e in events if e.kind == "tool_call"] == expected.tool_calls
+
+
+def test_raw_strings_need_the_schema():
+    text = "<|tool_call>call:write{content:hello, world<tool_call|>"
+    assert parse_reply(text).invalid_tool_calls and not parse_reply(text).tool_calls

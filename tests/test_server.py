@@ -358,6 +358,21 @@ def test_forced_tool_call_cut_by_max_tokens_is_reported_unfinished(scripted):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_the_tool_schema_guides_repairs_whole_and_streamed(scripted):
+    """A string argument the model wrote without delimiters (commas and all) is recovered because the
+    tool's schema types it as a string."""
+    scripted.engine.reply = "<|tool_call>call:get_weather{city:Paris, France<tool_call|><|tool_response>"
+    args = dict(model="m", messages=[QUESTION], tools=[WEATHER_TOOL])
+    client = openai_client(scripted)
+    whole = client.chat.completions.create(**args).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    assert json.loads(whole.message.tool_calls[0].function.arguments) == {"city": "Paris, France"}
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    (streamed,) = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
+    assert json.loads(streamed.function.arguments) == {"city": "Paris, France"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_required_and_none_tool_choice(scripted):
     client, engine = openai_client(scripted), scripted.engine
     engine.reply = 'get_weather{city:<|"|>Oslo<|"|>}<tool_call|><|tool_response>'

@@ -6,7 +6,9 @@ a token budget), launches it on the device (:mod:`qat4.engine.model_runner`: dec
 from CUDA graphs, prompt chunks eagerly), then reads back the tokens of the step before and
 returns them: the host enqueues step n + 1 before it waits for step n, so the GPU never waits for
 Python. :meth:`Engine.generate`, :meth:`Engine.stream` and :meth:`Engine.logits` are thin loops
-over that for one request at a time. Decode GEMV tilings saved for this GPU by
+over that for one request at a time. A request may carry a grammar (``constraint``,
+:mod:`qat4.engine.sequence`): its rows pick under a token mask that the engine fills on the host
+before each launch (:meth:`qat4.engine.model_runner.ModelRunner.set_allowed`). Decode GEMV tilings saved for this GPU by
 :meth:`Engine.tune_decode` (``qat4 bench --tune``) are pinned at load.
 """
 
@@ -25,10 +27,10 @@ from qat4.checkpoint.packed_model import PackedModel
 from qat4.engine.config import EngineConfig
 from qat4.engine.kv_cache import KVPool, PoolExhausted
 from qat4.engine.memory import MIB, Plan, cap_text, model_nbytes, plan
-from qat4.engine.model_runner import ModelRunner
+from qat4.engine.model_runner import ModelRunner, bitmask_width
 from qat4.engine.sampler import SamplingParams
 from qat4.engine.scheduler import Scheduler
-from qat4.engine.sequence import Sequence
+from qat4.engine.sequence import Sequence, TokenConstraint
 from qat4.engine.speculation import SPEC_MAX_BATCH, PromptLookup, Speculator, accepted_count, measure_step_costs
 from qat4.engine.tuning import load_tilings, save_tilings, tune_decode_tilings
 from qat4.errors import Qat4Error
@@ -255,7 +257,7 @@ class Engine:
         if not self.runner.use_graph:
             raise Qat4Error("decode tuning times CUDA-graph replays; it needs a CUDA device with cuda_graph on")
         self.drain()
-        tilings, before, after = tune_decode_tilings(self.runner, (1, 1, 1), replays)
+        tilings, before, after = tune_decode_tilings(self.runner, (1, 1, 1, False), replays)
         self.runner.graphs.clear()  # every graph holds the tilings from before
         self._capture_graphs()
         return before, after, save_tilings(tilings, self.device, self.dtype)
@@ -316,14 +318,16 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], max_new_tokens: int = 256, temperature: float | None = None,
                     top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                    stop_token_ids: list[int] | None = None) -> Sequence:
-        """Queue a generation; :meth:`step` runs it. Raises Qat4Error at once for a request that
-        can never run (bad prompt or options, more than the context or the pool holds)."""
+                    stop_token_ids: list[int] | None = None, constraint: TokenConstraint | None = None) -> Sequence:
+        """Queue a generation; :meth:`step` runs it. ``constraint`` limits the tokens it may pick
+        (a grammar, see :meth:`json_constraint`). Raises Qat4Error at once for a request that can
+        never run (bad prompt or options, more than the context or the pool holds)."""
         ids = self.encode(prompt)
         params = self.sampling_params(temperature, top_k, top_p)
         self.check_request(len(ids), max_new_tokens)
         stops = frozenset(self.stop_token_ids if stop_token_ids is None else stop_token_ids)
-        seq = Sequence(ids, params, secrets.randbits(63) if seed is None else seed % (1 << 63), max_new_tokens, stops)
+        seq = Sequence(ids, params, secrets.randbits(63) if seed is None else seed % (1 << 63), max_new_tokens, stops,
+                       constraint=constraint)
         self.scheduler.add(seq)
         return seq
 
@@ -353,6 +357,19 @@ class Engine:
             self.speculator.idle(batch.decode)
         return self._collect(previous) if previous is not None else []
 
+    def json_constraint(self, schema: dict) -> TokenConstraint:
+        """A grammar that makes a reply one compact JSON value matching the JSON Schema ``schema``
+        (``{"type": "object"}``: any object); for :meth:`add_request`. Raises Qat4Error for a
+        schema it cannot enforce."""
+        from qat4.chat.grammars import grammars_for
+
+        if self.tokenizer is None or self.tokenizer.vocab_size != self.config.vocab_size:
+            raise Qat4Error("constrained decoding needs the model's tokenizer, covering its whole vocabulary")
+        try:
+            return grammars_for(self.tokenizer).json(schema)
+        except ValueError as exc:
+            raise Qat4Error(f"json_schema cannot be enforced: {exc}") from None
+
     def _decoding(self) -> list[Sequence]:
         """Running sequences whose next step is a decode row."""
         return [s for s in self.scheduler.running if s.length - s.num_computed == 1 and s.wants_token]
@@ -361,7 +378,12 @@ class Engine:
         """Whether the next step waits for the one in flight: it fed drafts (how far its sequences
         got is known only once read), or drafting pays for the sequences decoding now."""
         in_flight = self._in_flight is not None and self._in_flight.verifies
-        return in_flight or self.speculator.draft_length(self._decoding()) > 0
+        return in_flight or self._draft_length(self._decoding()) > 0
+
+    def _draft_length(self, decoding: list[Sequence]) -> int:
+        """Drafts per sequence for the next step: none while a decoding sequence is constrained
+        (a draft would be picked without the mask of the tokens before it)."""
+        return 0 if any(s.constraint is not None for s in decoding) else self.speculator.draft_length(decoding)
 
     def _speculative_step(self) -> list[StepOutput]:
         outputs = self._collect(self._in_flight) if self._in_flight is not None else []
@@ -371,7 +393,7 @@ class Engine:
             started, b, k = self._verify_started
             self.speculator.observe(b, k, now - started)
         decoding = self._decoding()
-        self.speculator.propose(decoding, self.speculator.draft_length(decoding))
+        self.speculator.propose(decoding, self._draft_length(decoding))
         batch = self.scheduler.schedule()
         self._in_flight = self._launch(batch) if batch else None
         k = len(batch.decode[0].drafts) if batch.decode else 0  # the scheduler drops drafts it has no room for
@@ -391,7 +413,14 @@ class Engine:
                 self.runner.set_sampling(seq.slot, seq.params, seq.seed)
                 seq.new_slot = False
         sampled = [i for i, (seq, n) in enumerate(batch.prefill) if seq.num_computed + n == seq.length and seq.wants_token]
-        launched = self.runner.launch(batch.decode, self.runner.keep_for(batch.decode), batch.prefill, sampled)
+        masked = [s for s in [*batch.decode, *(batch.prefill[i][0] for i in sampled)] if s.masked]
+        if masked:
+            bitmasks = torch.empty(len(masked), bitmask_width(self.config.vocab_size), dtype=torch.int32)
+            for row, seq in enumerate(masked):
+                seq.constraint.fill(bitmasks, row)
+            self.runner.set_allowed([s.slot for s in masked], bitmasks)
+        launched = self.runner.launch(batch.decode, self.runner.keep_for(batch.decode), batch.prefill, sampled,
+                                      masked=bool(masked))
         for seq in batch.decode:
             seq.num_computed += 1
             seq.pending += 1
@@ -409,7 +438,7 @@ class Engine:
         now = time.perf_counter()
         outputs = []
         for seq, drafts, picked in zip(launched.seqs, launched.drafts, tokens):
-            if seq.finished:  # aborted, or ended by the token before
+            if seq.finished or seq.drop_stale():  # aborted, ended by the token before, or picked unmasked
                 continue
             kept = accepted_count(drafts, picked)
             seq.num_computed += kept
@@ -457,13 +486,15 @@ class Engine:
     def stream(self, prompt: str | list[int], max_new_tokens: int = 256, temperature: float | None = None,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                stop_token_ids: list[int] | None = None,
-               should_stop: Callable[[], bool] | None = None) -> Iterator[int]:
+               should_stop: Callable[[], bool] | None = None, json_schema: dict | None = None) -> Iterator[int]:
         """Generated token ids, one at a time; a stop token is yielded and ends the stream.
+        ``json_schema``: the output is JSON matching it (:meth:`json_constraint`).
 
         ``should_stop`` is called between tokens; returning True ends the stream (cancellation).
         Raises Qat4Error up front when the request can never run.
         """
-        seq = self.add_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
+        constraint = None if json_schema is None else self.json_constraint(json_schema)
+        seq = self.add_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, constraint)
         return self._tokens_of(seq, should_stop)
 
     def _tokens_of(self, seq: Sequence, should_stop: Callable[[], bool] | None = None) -> Iterator[int]:
@@ -481,16 +512,20 @@ class Engine:
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 256, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 stop: list[str] | None = None, stop_token_ids: list[int] | None = None) -> Generation:
+                 stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
+                 json_schema: dict | None = None) -> Generation:
         """Generate up to ``max_new_tokens`` tokens; greedy when temperature is 0.
 
         Unset sampling options come from the checkpoint's generation_config. ``stop`` strings end
-        the generation once the decoded text contains one (needs a tokenizer).
+        the generation once the decoded text contains one (needs a tokenizer). With ``json_schema``
+        the text is compact JSON matching that JSON Schema (``{"type": "object"}``: any object),
+        unless the token limit cuts it off first (finish_reason "length").
         """
         stop = [s for s in (stop or []) if s]
         if stop and self.tokenizer is None:
             raise Qat4Error("stop strings need a tokenizer; this model has none")
-        seq = self.add_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
+        constraint = None if json_schema is None else self.json_constraint(json_schema)
+        seq = self.add_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, constraint)
         tokens: list[int] = []
         reason = "length"
         tail = max((len(s) for s in stop), default=0) + 8  # tokens enough to hold any stop string

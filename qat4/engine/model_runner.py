@@ -26,7 +26,12 @@ schedules. Graphs are captured at load writing only to the scratch row, never in
 sequence's KV.
 
 Per-slot sampling parameters (temperature, top_k, top_p, seed) live on the device, set when a
-sequence is admitted (:meth:`ModelRunner.set_sampling`). With ``keep_hidden`` (the MTP drafter,
+sequence is admitted (:meth:`ModelRunner.set_sampling`), and so does each slot's allowed-token
+bitmask (``allowed``, all ones until a grammar-constrained sequence's step writes its row,
+:meth:`ModelRunner.set_allowed`). A step with a constrained row runs its *masked* variant (its own
+graphs, keyed by ``masked``): logits for every row, the disallowed tokens of each row at -inf, then
+the per-row sampler, where a greedy row takes the argmax of its masked logits. Steps without one
+keep the fused argmax of greedy rows, so unconstrained decoding runs exactly as before. With ``keep_hidden`` (the MTP drafter,
 :mod:`qat4.engine.mtp`) each step also keeps, per slot, the final-normed hidden state that picked
 the sequence's newest token (``last_hidden``): a decode row's, a prompt's last row's, or in a
 verifying step the row of the last draft the target agreed with.
@@ -39,7 +44,7 @@ from collections.abc import Callable
 import torch
 
 from qat4.engine.kv_cache import KVPool, to_device
-from qat4.engine.sampler import SamplingParams, keep_shape, sample, uniforms
+from qat4.engine.sampler import SamplingParams, keep_shape, mask_logits, sample, uniforms
 from qat4.engine.sequence import Sequence
 from qat4.model import ForwardBatch, Gemma4
 from qat4.ops.attention import PagedSeqs
@@ -52,6 +57,11 @@ def graph_sizes(max_num_seqs: int) -> list[int]:
     """Batch sizes with a captured decode graph: 1, 2, 4, 8, then every 16, and max_num_seqs."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
     return sizes + [max_num_seqs]
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """32-bit words of an allowed-token bitmask over ``vocab_size`` tokens."""
+    return (vocab_size + 31) // 32
 
 
 def uses_graphs(cuda_graph: bool, device: torch.device) -> bool:
@@ -116,6 +126,7 @@ class ModelRunner:
         self.top_k = torch.ones(slots, dtype=torch.int64, device=dev)
         self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)
         self.seed = torch.zeros(slots, dtype=torch.int64, device=dev)
+        self.allowed = torch.full((slots, bitmask_width(self.vocab_size)), -1, dtype=torch.int32, device=dev)
         hidden = model.config.hidden_size
         self.last_hidden = torch.zeros(slots, hidden, dtype=model.dtype, device=dev) if keep_hidden else None
         self.sizes = graph_sizes(max_num_seqs)
@@ -125,7 +136,7 @@ class ModelRunner:
         pinned = dev.type == "cuda"
         self._host = [torch.zeros(rows + max_num_seqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self._turn = 0
-        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}  # (batch size, q, keep)
+        self.graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, q, keep, masked)
         self._graph_pool = None
         # one-sequence prompt chunks: ids, positions, slots [3, T]; cu_q [2], its table row [1] and
         # the row that picks [1]; the picked token
@@ -134,8 +145,8 @@ class ModelRunner:
         self._chunk_meta = torch.zeros(3, width, dtype=torch.int64, device=dev)
         self._chunk_seqs = torch.zeros(4, dtype=torch.int64, device=dev)
         self._chunk_token = torch.zeros(1, dtype=torch.int64, device=dev)
-        # (padded tokens, keep; 0: no pick) -> graph, or None once run eagerly without graphs
-        self.chunk_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
+        # (padded tokens, keep; 0: no pick, masked) -> graph, or None once run eagerly without graphs
+        self.chunk_graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph | None] = {}
 
     # ---- per-slot state ------------------------------------------------------------------------
 
@@ -145,6 +156,13 @@ class ModelRunner:
         self.top_k[slot] = params.effective_top_k(self.vocab_size)
         self.top_p[slot] = params.top_p
         self.seed[slot] = seed
+        self.allowed[slot] = -1
+
+    def set_allowed(self, slots: list[int], bitmasks: torch.Tensor) -> None:
+        """The allowed-token bitmasks [len(slots), W] int32 of constrained sequences into their
+        slots (bit j of word i allows token 32 i + j), for the step launched next."""
+        index = to_device(torch.tensor(slots, dtype=torch.int64), self.device)
+        self.allowed.index_copy_(0, index, to_device(bitmasks, self.device))
 
     def keep_for(self, seqs: list[Sequence]) -> int:
         """The sampling shape (:func:`qat4.engine.sampler.keep_shape`) serving these sequences."""
@@ -157,13 +175,18 @@ class ModelRunner:
         seqs = PagedSeqs(positions, cu_q, rows, max_q_len, max_keys)
         return ForwardBatch(seqs, {kind: self.pool.store_rows(kind, slots, positions) for kind in self.pool.tables})
 
-    def pick(self, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
+    def pick(self, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, keep: int,
+             masked: bool = False) -> torch.Tensor:
         """Next token [R] of hidden rows h [R, D] whose tokens sit at ``positions`` [R] in the
-        sequences of ``slots`` [R]: the fused argmax when every row is greedy (keep 1), else the
-        logits and per-row sampling with each slot's parameters."""
-        if keep == 1:
+        sequences of ``slots`` [R]: the fused argmax when every row is greedy (keep 1) and none is
+        ``masked``, else the logits (with each slot's disallowed tokens at -inf when masked) and
+        per-row sampling with each slot's parameters."""
+        if keep == 1 and not masked:
             return self.model.argmax(h)
-        return self.sample(self.model.logits(h), slots, positions, keep)
+        logits = self.model.logits(h)
+        if masked:
+            mask_logits(logits, self.allowed[slots])
+        return self.sample(logits, slots, positions, keep)
 
     def sample(self, logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
         """Per-row sampling of logits [R, V] with the parameters of ``slots`` [R], drawing for the
@@ -171,7 +194,7 @@ class ModelRunner:
         draws = uniforms(self.seed[slots], positions + 1)
         return sample(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], draws, keep)
 
-    def _decode(self, b: int, q: int, keep: int) -> None:
+    def _decode(self, b: int, q: int, keep: int, masked: bool) -> None:
         """The decode rows of ``_meta[:, :b * q]``, q consecutive positions for each of b
         sequences: forward, pick a token at every row, the tokens into ``_decoded`` and, with one
         row per sequence, into ``last_token`` (what a graph captures)."""
@@ -180,7 +203,7 @@ class ModelRunner:
         rows = slots if q == 1 else slots[::q].contiguous()
         batch = self._batch(slots, positions, self._cu_q[: b + 1] * q, rows, q, self.max_ctx)
         h = self.model.forward(ids, positions, self.pool, batch)
-        tokens = self.pick(h, slots, positions, keep)
+        tokens = self.pick(h, slots, positions, keep, masked)
         if q == 1:
             self.last_token.index_copy_(0, slots, tokens)
         if self.last_hidden is not None:
@@ -208,30 +231,30 @@ class ModelRunner:
         """The batch size whose graph serves n sequences (n itself without graphs)."""
         return next(b for b in self.sizes if b >= n) if self.use_graph else n
 
-    def capture(self, b: int, q: int, keep: int) -> None:
-        """Capture the decode graph of batch size b, q rows per sequence and sampling shape keep,
-        if not yet captured: two eager runs first (they compile and tune the kernels), every row
-        on the scratch row."""
-        if not self.use_graph or (b, q, keep) in self.graphs:
+    def capture(self, b: int, q: int, keep: int, masked: bool = False) -> None:
+        """Capture the decode graph of batch size b, q rows per sequence, sampling shape keep and
+        masking or not, if not yet captured: two eager runs first (they compile and tune the
+        kernels), every row on the scratch row."""
+        if not self.use_graph or (b, q, keep, masked) in self.graphs:
             return
         self._meta[:, : b * q] = torch.tensor([[0], [0], [self.pool.scratch_row]], device=self.device)
-        graph = capture_graph(lambda: self._decode(b, q, keep), self.device, self._graph_pool)
+        graph = capture_graph(lambda: self._decode(b, q, keep, masked), self.device, self._graph_pool)
         self._graph_pool = graph.pool()
-        self.graphs[(b, q, keep)] = graph
+        self.graphs[(b, q, keep, masked)] = graph
 
-    def replay(self, b: int, q: int, keep: int) -> None:
+    def replay(self, b: int, q: int, keep: int, masked: bool = False) -> None:
         """Run the decode rows now in ``_meta`` (a captured graph, or eagerly without graphs)."""
         if self.use_graph:
-            self.graphs[(b, q, keep)].replay()
+            self.graphs[(b, q, keep, masked)].replay()
         else:
-            self._decode(b, q, keep)
+            self._decode(b, q, keep, masked)
 
-    def run_decode(self, seqs: list[Sequence], keep: int) -> torch.Tensor:
+    def run_decode(self, seqs: list[Sequence], keep: int, masked: bool = False) -> torch.Tensor:
         """Enqueue the decode rows of ``seqs``: each one's newest position, then its drafts (every
         sequence has as many). Returns their tokens [n * (1 + drafts)], sequence by sequence."""
         n, b, k = len(seqs), self.padded(len(seqs)), len(seqs[0].drafts)
         q = k + 1
-        self.capture(b, q, keep)  # before the rows go in: a capture runs on the scratch row
+        self.capture(b, q, keep, masked)  # before the rows go in: a capture runs on the scratch row
         pad = (b - n) * q
         ids, positions, slots = [], [], []
         for s in seqs:
@@ -240,7 +263,7 @@ class ModelRunner:
             slots += [s.slot] * q
         rows = [ids + [0] * pad, positions + [0] * pad, slots + [self.pool.scratch_row] * pad]
         self._meta[:, : b * q].copy_(to_device(torch.tensor(rows, dtype=torch.int64), self.device))
-        self.replay(b, q, keep)
+        self.replay(b, q, keep, masked)
         return self._decoded[: n * q]
 
     def forward_chunks(self, chunks: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor,
@@ -262,13 +285,14 @@ class ModelRunner:
         batch = self._batch(flat[2], flat[1], seq_meta[: len(cu)], seq_meta[len(cu) :], max_q, max_keys)
         return self.model.forward(flat[0], flat[1], self.pool, batch), flat[1], flat[2]
 
-    def run_prefill(self, chunks: list[tuple[Sequence, int]], sampled: list[int]) -> torch.Tensor:
+    def run_prefill(self, chunks: list[tuple[Sequence, int]], sampled: list[int], masked: bool = False) -> torch.Tensor:
         """Enqueue prompt chunks; the last row of the chunks listed in ``sampled`` (indices into
-        chunks) picks its sequence's next token. Returns those tokens [len(sampled)]."""
+        chunks) picks its sequence's next token (``masked``: with the slots' allowed tokens).
+        Returns those tokens [len(sampled)]."""
         keep = self.keep_for([chunks[i][0] for i in sampled]) if sampled else 0
         padded = next((t for t in self.chunk_sizes if t >= chunks[0][1]), None) if len(chunks) == 1 else None
         if padded is not None:
-            return self._replay_chunk(*chunks[0], padded, keep)
+            return self._replay_chunk(*chunks[0], padded, keep, masked)
         if not sampled:
             self.forward_chunks(chunks)
             return torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -277,32 +301,32 @@ class ModelRunner:
             cu.append(cu[-1] + n)
         ends = to_device(torch.tensor([cu[i + 1] - 1 for i in sampled]), self.device)
         h, positions, slots = self.forward_chunks(chunks)
-        return self._pick_ends(h, slots, positions, ends, keep)
+        return self._pick_ends(h, slots, positions, ends, keep, masked)
 
     def _pick_ends(self, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, ends: torch.Tensor,
-                   keep: int) -> torch.Tensor:
+                   keep: int, masked: bool) -> torch.Tensor:
         """The tokens the rows ``ends`` of a prompt step pick, into their slots' last_token (and
         last_hidden)."""
-        tokens = self.pick(h[ends], slots[ends], positions[ends], keep)
+        tokens = self.pick(h[ends], slots[ends], positions[ends], keep, masked)
         self.last_token.index_copy_(0, slots[ends], tokens)
         if self.last_hidden is not None:
             self.last_hidden.index_copy_(0, slots[ends], h[ends])
         return tokens
 
-    def _chunk(self, t: int, keep: int) -> None:
+    def _chunk(self, t: int, keep: int, masked: bool) -> None:
         """The prompt chunk in ``_chunk_meta[:, :t]`` (one sequence's rows, then padding; ``_chunk_seqs``):
         forward, and with keep > 0 the pick of its last real row into ``_chunk_token`` (what a graph captures)."""
         ids, positions, slots = self._chunk_meta[:, :t]
         cu_q, rows, end = self._chunk_seqs[:2], self._chunk_seqs[2:3], self._chunk_seqs[3:]
         h = self.model.forward(ids, positions, self.pool, self._batch(slots, positions, cu_q, rows, t, self.max_ctx))
         if keep:
-            self._chunk_token.copy_(self._pick_ends(h, slots, positions, end, keep))
+            self._chunk_token.copy_(self._pick_ends(h, slots, positions, end, keep, masked))
 
-    def capture_chunk(self, t: int, keep: int) -> None:
+    def capture_chunk(self, t: int, keep: int, masked: bool = False) -> None:
         """Capture the graph of a one-sequence prompt chunk padded to t tokens, picking with
-        sampling shape keep (0: no pick), if not yet captured, every row on the scratch row;
-        without graphs, run it once there (which compiles its kernels)."""
-        if (t, keep) in self.chunk_graphs:
+        sampling shape keep (0: no pick), masked or not, if not yet captured, every row on the
+        scratch row; without graphs, run it once there (which compiles its kernels)."""
+        if (t, keep, masked) in self.chunk_graphs:
             return
         scratch = self.pool.scratch_row
         self._chunk_meta[:, :t] = torch.stack([torch.zeros(t, dtype=torch.int64), torch.arange(t),
@@ -310,37 +334,38 @@ class ModelRunner:
         self._chunk_seqs.copy_(torch.tensor([0, t, scratch, t - 1]))
         graph = None
         if self.use_graph:
-            graph = capture_graph(lambda: self._chunk(t, keep), self.device, self._graph_pool)
+            graph = capture_graph(lambda: self._chunk(t, keep, masked), self.device, self._graph_pool)
             self._graph_pool = graph.pool()
         else:
-            self._chunk(t, keep)
-        self.chunk_graphs[(t, keep)] = graph
+            self._chunk(t, keep, masked)
+        self.chunk_graphs[(t, keep, masked)] = graph
 
-    def _replay_chunk(self, seq: Sequence, n: int, t: int, keep: int) -> torch.Tensor:
+    def _replay_chunk(self, seq: Sequence, n: int, t: int, keep: int, masked: bool) -> torch.Tensor:
         """n prompt tokens of ``seq`` from ``num_computed`` on, padded to t tokens (rows n..), replayed
         from their graph (or run eagerly without graphs)."""
-        self.capture_chunk(t, keep)
+        self.capture_chunk(t, keep, masked)
         start, pad, scratch = seq.num_computed, t - n, self.pool.scratch_row
         meta = [seq.tokens[start : start + n] + [0] * pad, [*range(start, start + n), *range(pad)],
                 [seq.slot] * n + [scratch] * pad]
         self._chunk_meta[:, :t].copy_(to_device(torch.tensor(meta, dtype=torch.int64), self.device))
         self._chunk_seqs.copy_(to_device(torch.tensor([0, n, seq.slot, n - 1]), self.device))
         if self.use_graph:
-            self.chunk_graphs[(t, keep)].replay()
+            self.chunk_graphs[(t, keep, masked)].replay()
         else:
-            self._chunk(t, keep)
+            self._chunk(t, keep, masked)
         return self._chunk_token if keep else torch.zeros(0, dtype=torch.int64, device=self.device)
 
     def launch(self, decode: list[Sequence], decode_keep: int, chunks: list[tuple[Sequence, int]],
-               sampled: list[int]) -> StepTokens:
-        """Enqueue a whole step: decode rows, prompt chunks, the tokens' copy to the host."""
+               sampled: list[int], masked: bool = False) -> StepTokens:
+        """Enqueue a whole step: decode rows, prompt chunks, the tokens' copy to the host;
+        ``masked``: some row picks under its slot's allowed tokens (:meth:`set_allowed`)."""
         self.pool.flush()
         parts, seqs = [], []
         if decode:
-            parts.append(self.run_decode(decode, decode_keep))
+            parts.append(self.run_decode(decode, decode_keep, masked))
             seqs += decode
         if chunks:
-            parts.append(self.run_prefill(chunks, sampled))
+            parts.append(self.run_prefill(chunks, sampled, masked))
             seqs += [chunks[i][0] for i in sampled]
         host = self._host[self._turn]
         self._turn ^= 1

@@ -3,7 +3,8 @@
 Every row of a batch carries its own parameters in device tensors, so one captured graph serves any
 mix of requests: a row with temperature 0 takes the argmax, the others keep their top_k largest
 logits (0: all), softmax at their temperature, keep the smallest prefix reaching top_p and invert
-the cumulative distribution at a uniform number. Only the most tokens any row keeps is a shape
+the cumulative distribution at a uniform number. A grammar-constrained row first has its
+disallowed tokens set to -inf (:func:`mask_logits`, from a bitmask per row). Only the most tokens any row keeps is a shape
 (``keep``: a power of two, or the whole vocabulary), so graphs are captured per ``keep``.
 
 The uniform number of a row is a hash of (seed, position of the token drawn) (:func:`uniforms`):
@@ -120,3 +121,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     target = (uniform * cdf[:, -1].double()).long()[:, None]  # < cdf[:, -1]: lands on a kept token
     choice = torch.searchsorted(cdf, target, right=True).clamp_(max=values.shape[-1] - 1)
     return torch.where(hot, ids.gather(1, choice)[:, 0], greedy)
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Set, in place, the logits [R, V] of tokens not allowed by bitmasks [R, W] int32 (bit j of
+    word i allows token 32 i + j; W * 32 >= V) to -inf, on the device; returns logits."""
+    bits = (allowed.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=allowed.device)) & 1
+    return logits.masked_fill_(bits.view(allowed.shape[0], -1)[:, : logits.shape[-1]] == 0, float("-inf"))

@@ -1,7 +1,8 @@
 """Which sequences run in the next step, and with how many tokens each.
 
 First come, first served. Every step, each running sequence that is decoding feeds its newest
-token (a decode row), and its drafts after it when it speculates and the pool has room for them
+token (a decode row; a constrained one only once its newest token is read back, see
+:mod:`qat4.engine.sequence`), and its drafts after it when it speculates and the pool has room for them
 without preempting anyone; prompts are read in chunks of at most ``prefill_chunk`` tokens per step,
 over all the sequences reading one, so a long prompt that arrives mid-stream delays the running
 sequences by one chunk per step, never by its whole read. A prompt's chunks always start at
@@ -78,7 +79,8 @@ class Scheduler:
                 continue
             feed = seq.length - seq.num_computed
             if feed == 1:
-                if seq.wants_token and self._grow(seq, seq.length + len(seq.drafts), preempt_self=True):
+                if seq.wants_token and not seq.awaits_readback and self._grow(seq, seq.length + len(seq.drafts),
+                                                                                preempt_self=True):
                     batch.decode.append(seq)
             elif feed > 1:
                 n = self._chunk(seq, budget)
@@ -184,5 +186,5 @@ class Scheduler:
             self.pool.close_slot(seq.slot, seq.computed_block_hashes(self.pool.block_size))
         else:
             self.waiting.remove(seq)
-        seq.state, seq.slot = State.FINISHED, None
+        seq.state, seq.slot, seq.constraint = State.FINISHED, None, None  # the grammar state goes with it
         seq.finish_reason = seq.finish_reason or reason

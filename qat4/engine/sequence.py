@@ -10,6 +10,12 @@ also samples the next token.
 With speculative decoding (:mod:`qat4.engine.speculation`) a decoding step may also feed ``drafts``
 after the newest token; the step's tokens are read back before the next one is scheduled, and
 ``num_computed`` then moves past the drafts the target agreed with only.
+
+A sequence with a ``constraint`` (a grammar, :class:`TokenConstraint`) picks each token under the
+mask its tokens so far allow, so while the constraint is active it is not fed again until its
+newest token is read back (``awaits_readback``). A constraint that becomes active at a token read
+back (a tool call opened in a free reply) makes the token already launched after it ``stale``: it
+is dropped when read, and its position fed again under the mask.
 """
 
 from __future__ import annotations
@@ -18,12 +24,27 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
 
 from qat4.engine.prefix import extend_block_hashes
 from qat4.engine.sampler import SamplingParams
 
 _ids = itertools.count()
 DRAFT_PRIOR = (2.0, 1.0)  # pseudo-counts of kept and refused drafts: a new sequence is tried at 2 in 3
+
+
+class TokenConstraint(Protocol):
+    """Which tokens a sequence may pick next (:class:`qat4.chat.grammars.GrammarConstraint`)."""
+
+    active: bool  # whether the next token is masked
+
+    def fill(self, bitmasks: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmasks[row]`` (int32 words, bit j of word i: token 32 i + j)."""
+
+    def accept(self, token: int) -> None:
+        """Advance past a token the sequence took."""
 
 
 class State(enum.Enum):
@@ -61,6 +82,8 @@ class Sequence:
     draft_stats: list[float] = field(default_factory=lambda: list(DRAFT_PRIOR))  # decayed kept, refused drafts
     idle_steps: int = 0  # decode steps since it last verified drafts
     draft_state: object = field(default=None, repr=False)  # the drafter's per-sequence index
+    constraint: TokenConstraint | None = field(default=None, repr=False)  # dropped when the sequence ends
+    stale: int = 0  # tokens in flight that were picked before the constraint became active
     _hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
@@ -95,6 +118,16 @@ class Sequence:
         """Whether a step that reaches ``length`` should sample another token."""
         return self.launched_outputs < self.max_new_tokens
 
+    @property
+    def masked(self) -> bool:
+        """Whether its next token is picked under a constraint's mask."""
+        return self.constraint is not None and self.constraint.active
+
+    @property
+    def awaits_readback(self) -> bool:
+        """Whether it must not be fed before its tokens in flight are read: its mask follows from them."""
+        return self.pending > 0 and self.masked
+
     def block_hashes(self, block_size: int, n_tokens: int) -> list[bytes]:
         """Names (:mod:`qat4.engine.prefix`) of the blocks within the first ``n_tokens`` known
         tokens."""
@@ -111,6 +144,11 @@ class Sequence:
         """Take a token read back from the device; True when it ends the sequence (a stop id or
         the token limit), with ``finish_reason`` set."""
         self.pending -= 1
+        if self.constraint is not None:
+            was_masked = self.constraint.active
+            self.constraint.accept(token)
+            if self.constraint.active and not was_masked:  # the tokens launched after this one were not masked
+                self.stale = self.pending
         self.output.append(token)
         if len(self.output) == 1:
             self.first_token_at = now
@@ -120,3 +158,14 @@ class Sequence:
         elif len(self.output) >= self.max_new_tokens:
             self.finish_reason = "length"
         return self.finish_reason is not None
+
+    def drop_stale(self) -> bool:
+        """Whether the token read back now was picked before the constraint became active: it is
+        dropped, and its position is fed again (under the mask) by the next step."""
+        if not self.stale:
+            return False
+        self.stale -= 1
+        self.pending -= 1
+        if self.state is State.RUNNING:
+            self.num_computed -= 1
+        return True

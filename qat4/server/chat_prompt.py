@@ -6,9 +6,15 @@ How request options reach the model:
 - `tool_choice: "required"` appends `<|tool_call>call:` to the prompt, so the reply must start with a
   call (the model picks the function); a named function appends `<|tool_call>call:NAME{`, so the
   model writes that function's arguments. Both skip thinking, since the reply starts with the call.
+  The calls are then constrained to Gemma 4's call syntax and the functions' parameter schemas
+  (:mod:`qat4.chat.call_grammar`), one call or, with `parallel_tool_calls` (the default), several.
+- With tools offered and `tool_choice` "auto" (or unset), a call the model opens (`<|tool_call>`) is
+  constrained the same way from there on (without `parallel_tool_calls`, the reply ends after it).
 - `response_format` `json_object` / `json_schema` adds an instruction to the system turn (with the
   schema, when given) and, when thinking is off and no tools are offered, appends `{` so the reply
-  starts as a JSON object. The output is not checked against the schema.
+  starts as a JSON object. The reply is constrained to JSON matching the schema (any object for
+  `json_object`), after a thought block when thinking is on; such a reply calls no tool unless
+  `tool_choice` forces one, which then takes precedence.
 - Thinking is on with `chat_template_kwargs.enable_thinking` or any `reasoning_effort` but "none".
 
 Whatever is appended belongs to the reply: `reply_prefix` (with any thought channel the template
@@ -33,12 +39,31 @@ JSON_INSTRUCTION = "Answer with a single valid JSON object and nothing else: no 
 
 
 @dataclass(frozen=True)
+class ReplyGrammar:
+    """What the reply is constrained to: ``kind`` "json" (``schema``, None for any object, after an
+    optional thought block when ``thinking``; its first ``prefix`` characters are in the prompt) or
+    "calls" (``tools``' calls from ``start`` on, of ``names`` when given, several when ``parallel``;
+    see :meth:`qat4.chat.call_grammar.CallGrammar.text`)."""
+
+    kind: str
+    schema: dict[str, Any] | None = None
+    thinking: bool = False
+    prefix: str = ""
+    tools: tuple[dict[str, Any], ...] = ()
+    start: str = ""
+    names: tuple[str, ...] | None = None
+    parallel: bool = True
+
+
+@dataclass(frozen=True)
 class ChatPrompt:
-    """The text the engine reads, and the part of it that is already the reply's beginning."""
+    """The text the engine reads, the part of it that is already the reply's beginning, and what
+    the rest of the reply is constrained to (None: nothing)."""
 
     text: str
     reply_prefix: str
     thinking: bool
+    grammar: ReplyGrammar | None = None
 
 
 def _json_instruction(req: ChatCompletionRequest) -> str | None:
@@ -94,7 +119,25 @@ def build_chat_prompt(req: ChatCompletionRequest, template: str | None = None) -
         raise bad_request(str(exc), param="messages") from None
     if not forced and instruction and not thinking and not offer_tools:
         forced = "{"
+    grammar = _reply_grammar(req, tools, forced, thinking)
     opened = THOUGHT_OPEN if text.endswith(THOUGHT_OPEN) else ""
     if forced and opened:
         forced = THOUGHT_CLOSE + forced
-    return ChatPrompt(text + forced, opened + forced, thinking)
+    return ChatPrompt(text + forced, opened + forced, thinking, grammar)
+
+
+def _reply_grammar(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None, forced: str,
+                   thinking: bool) -> ReplyGrammar | None:
+    """The constraint on the reply after the prompt's ``forced`` opening (module docstring)."""
+    if forced.startswith(TOOL_CALL_OPEN):
+        named = forced != TOOL_CALL_OPEN
+        names = (req.tool_choice["function"]["name"],) if named else None
+        return ReplyGrammar("calls", tools=tuple(tools), start="arguments" if named else "name", names=names,
+                            parallel=req.parallel_tool_calls)
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        schema = fmt.json_schema.schema_ if fmt.type == "json_schema" and fmt.json_schema else None
+        return ReplyGrammar("json", schema=schema, thinking=thinking, prefix=forced)
+    if tools:
+        return ReplyGrammar("calls", tools=tuple(tools), start="open", parallel=req.parallel_tool_calls)
+    return None

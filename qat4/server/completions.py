@@ -9,6 +9,7 @@ finish reason is then the generation's own (`length`), not `tool_calls`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -24,6 +25,7 @@ from qat4.server.errors import APIError, bad_request
 from qat4.server.generation import EngineLoop, Finished, Generation, GenerationParams, QueueFull, ShuttingDown
 from qat4.server.limits import RequestLimits
 from qat4.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from qat4.server.structured import chat_constraint, check_constrainable, completion_constraint
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class Prepared:
     include_usage: bool
     reply_prefix: str = ""
     thinking: bool = False
+    tools: tuple[dict[str, Any], ...] = ()  # the request's function tools, whose schemas guide the call parser's repairs
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -65,9 +68,9 @@ def _finish_reason(done: Finished, calls: int, invalid_calls: int) -> str:
     return "tool_calls" if calls and not invalid_calls else done.finish_reason
 
 
-def _parse_whole(text: str, thinking: bool) -> tuple[Reply, list[ReplyEvent]]:
+def _parse_whole(text: str, thinking: bool, tools: tuple[dict[str, Any], ...]) -> tuple[Reply, list[ReplyEvent]]:
     """The parsed reply and its calls, valid and invalid, in the order the model wrote them."""
-    stream = ReplyStream(thinking)
+    stream = ReplyStream(thinking, tools)
     events = stream.feed(text) + stream.flush()
     return stream.finish(), [e for e in events if e.kind in _CALL_EVENTS]
 
@@ -141,13 +144,21 @@ class Completions:
         ids = self._encode(prompt.text, "messages")
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         params = self._params(req, len(ids), req.token_limit(), param, "messages")
-        return Prepared(ids, params, req.include_usage, prompt.reply_prefix, prompt.thinking)
+        if prompt.grammar is not None:
+            if prompt.grammar.kind == "json" or req.tool_choice not in (None, "auto"):
+                check_constrainable(req, "response_format" if prompt.grammar.kind == "json" else "tool_choice")
+            if not req.ignore_eos:  # a free reply with tools runs past calls under ignore_eos, unconstrained
+                params = dataclasses.replace(params, constraint=chat_constraint(self.tokenizer, prompt.grammar))
+        tools = tuple(t.model_dump(exclude_none=True) for t in req.tools or ())
+        return Prepared(ids, params, req.include_usage, prompt.reply_prefix, prompt.thinking, tools)
 
     def prepare_text(self, req: CompletionRequest) -> Prepared:
         """Encode a raw prompt and check it fits the context (CPU work: call off the loop)."""
         self.limits.check_text(req.prompt)
         ids = self._encode(req.prompt, "prompt")
-        return Prepared(ids, self._params(req, len(ids), req.max_tokens, "max_tokens", "prompt"), req.include_usage)
+        params = self._params(req, len(ids), req.max_tokens, "max_tokens", "prompt")
+        constraint = completion_constraint(self.tokenizer, req)
+        return Prepared(ids, dataclasses.replace(params, constraint=constraint), req.include_usage)
 
     def start(self, prepared: Prepared) -> Generation:
         """Queue the generation; 429 with Retry-After when the queue is full, 503 when shutting down."""
@@ -168,7 +179,7 @@ class Completions:
     async def chat(self, prepared: Prepared, gen: Generation) -> dict[str, Any]:
         """The whole chat.completion object."""
         text, done = await _collect(gen)
-        reply, call_events = _parse_whole(prepared.reply_prefix + text, prepared.thinking)
+        reply, call_events = _parse_whole(prepared.reply_prefix + text, prepared.thinking, prepared.tools)
         message: dict[str, Any] = {"role": "assistant", "content": reply.content,
                                    "reasoning_content": reply.reasoning}
         if call_events:
@@ -187,7 +198,7 @@ class Completions:
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
             return sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra})
 
-        parser, calls, invalid_calls, done = ReplyStream(thinking=prepared.thinking), 0, 0, None
+        parser, calls, invalid_calls, done = ReplyStream(prepared.thinking, prepared.tools), 0, 0, None
         try:
             yield chunk({"role": "assistant", "content": ""})
             async with aclosing(gen.events()) as events:

@@ -46,6 +46,7 @@ class GenerationParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # generate through end-of-turn tokens, up to max_tokens
+    constraint: Any = None  # the engine's TokenConstraint: a grammar the reply follows
 
 
 @dataclass
@@ -283,7 +284,7 @@ class EngineLoop:
         p = job.params
         try:
             job.seq = self.engine.add_request(job.prompt_ids, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed,
-                                              [] if p.ignore_eos else list(self.stop_token_ids))
+                                              [] if p.ignore_eos else list(self.stop_token_ids), p.constraint)
         except Exception as exc:  # re-raised in the request that owns the job
             job.put(exc)
             job.put(_END)

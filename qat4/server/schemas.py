@@ -89,6 +89,7 @@ class StreamOptions(_Strict):
 class JsonSchemaFormat(_Strict):
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is enforced either way
 
 
 class ResponseFormat(_Strict):
@@ -150,6 +151,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Any = None
     max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     response_format: ResponseFormat | None = None
+    parallel_tool_calls: bool = True
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -187,6 +189,11 @@ class CompletionRequest(SamplingRequest):
 
     prompt: Any
     max_tokens: int | None = Field(default=16, ge=1, le=2**31 - 1)
+    response_format: ResponseFormat | None = None
+    json_schema: dict[str, Any] | None = None
+    """llama.cpp's field: the text is JSON matching this JSON Schema."""
+    grammar: str | None = Field(default=None, min_length=1)
+    """llama.cpp's field: the text follows this GBNF grammar (start rule `root`)."""
 
     @field_validator("prompt")
     @classmethod

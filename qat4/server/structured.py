@@ -1,0 +1,60 @@
+"""Structured output: the grammar constraint a request asks for, or a 400 naming the field.
+
+Chat requests get theirs from their prompt (:class:`qat4.server.chat_prompt.ReplyGrammar`: JSON for
+`response_format`, Gemma 4 tool calls for `tools`); text completions from `response_format`,
+llama.cpp's `json_schema` or its GBNF `grammar` (one of them). The grammars themselves are
+:mod:`qat4.chat.grammars`'.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qat4.chat.grammars import GrammarConstraint, grammars_for
+from qat4.server.chat_prompt import ReplyGrammar
+from qat4.server.errors import bad_request
+from qat4.server.schemas import CompletionRequest, SamplingRequest
+
+
+def check_constrainable(req: SamplingRequest, param: str) -> None:
+    """A constrained reply ends when its grammar is complete: ignore_eos cannot run past that."""
+    if req.ignore_eos:
+        raise bad_request(f"ignore_eos cannot be combined with '{param}': a constrained reply ends where its grammar "
+                          "ends.", param="ignore_eos")
+
+
+def chat_constraint(tokenizer: Any, grammar: ReplyGrammar) -> GrammarConstraint:
+    """The constraint of a chat reply."""
+    grammars = grammars_for(tokenizer)
+    if grammar.kind == "calls":
+        try:
+            return grammars.tool_calls(grammar.tools, grammar.start, grammar.names, grammar.parallel)
+        except ValueError as exc:
+            raise bad_request(f"The tools' parameter schemas cannot be enforced: {exc}.", param="tools") from None
+    try:
+        return grammars.json(grammar.schema, grammar.thinking, grammar.prefix)
+    except ValueError as exc:
+        raise bad_request(f"response_format.json_schema.schema cannot be enforced: {exc}.",
+                          param="response_format.json_schema.schema") from None
+
+
+def completion_constraint(tokenizer: Any, req: CompletionRequest) -> GrammarConstraint | None:
+    """The constraint of a text completion: `response_format`, `json_schema` or `grammar`, at most one."""
+    fmt = req.response_format if req.response_format is not None and req.response_format.type != "text" else None
+    given = [name for name, value in (("response_format", fmt), ("json_schema", req.json_schema),
+                                      ("grammar", req.grammar)) if value is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(f"Give one of {' and '.join(given)}, not both: each constrains the whole text.", param=given[1])
+    check_constrainable(req, given[0])
+    grammars = grammars_for(tokenizer)
+    try:
+        if req.grammar is not None:
+            return grammars.gbnf(req.grammar)
+        if req.json_schema is not None:
+            return grammars.json(req.json_schema)
+        return grammars.json(fmt.json_schema.schema_ if fmt.type == "json_schema" and fmt.json_schema else None)
+    except ValueError as exc:
+        param = {"response_format": "response_format.json_schema.schema"}.get(given[0], given[0])
+        raise bad_request(f"{param} cannot be enforced: {exc}.", param=param) from None
