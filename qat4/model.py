@@ -27,7 +27,7 @@ from qat4.ops.norms import rms_norm
 from qat4.ops.qkv_prep import qk_norm_rope, qk_norm_rope_store, rope_cos_sin_cache, rope_inv_freq
 from qat4.ops.w4.dispatch import expands_products, w4_argmax, w4_linear, w4_linear_gelu, w4_linear_residual, w4_logits
 from qat4.ops.w4.embedding import w4_embedding
-from qat4.ops.w4.expanded import reserve_scratch
+from qat4.ops.w4.expanded import has_scratch, reserve_scratch
 from qat4.ops.w4.reference import ResidualStep
 
 class Pages(Protocol):
@@ -75,10 +75,18 @@ def largest_product(config: Gemma4Config) -> int:
     return max(rows) * config.hidden_size
 
 
+CUBLAS_WORKSPACE_NBYTES = 32 << 20  # what cuBLAS keeps per thread and stream on Hopper (torch's default)
+
+
 def expansion_nbytes(config: Gemma4Config, dtype: torch.dtype, device: torch.device) -> int:
-    """Bytes of the scratch :mod:`qat4.ops.w4.expanded` needs for this model's prompt products
-    (0 where they do not take that path)."""
-    return largest_product(config) * torch.empty((), dtype=dtype).element_size() if expands_products(dtype, device) else 0
+    """Bytes the expanded prompt products (:mod:`qat4.ops.w4.expanded`) of this model take: their
+    scratch, unless one that holds the largest matrix is reserved already, and the workspace
+    cuBLAS keeps for the thread that runs the engine; 0 where they do not take that path."""
+    if not expands_products(dtype, device):
+        return 0
+    numel = largest_product(config)
+    scratch = 0 if has_scratch(device, dtype, numel) else numel * torch.empty((), dtype=dtype).element_size()
+    return scratch + CUBLAS_WORKSPACE_NBYTES
 
 
 def dtype_round(value: float, dtype: torch.dtype) -> float:

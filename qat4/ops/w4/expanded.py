@@ -9,12 +9,13 @@ multiply-adds amortise from :data:`qat4.ops.w4.dispatch.EXPAND_ROWS` rows on.
 
 The weights stay packed in memory: one matrix at a time exists in 16 bits, in a scratch per
 device and dtype (:func:`reserve_scratch`) that the model reserves at load for its largest matrix
-(75 MiB in bf16 on E2B: the merged gate/up of its double-wide MLPs) where the memory plan has room
-for it; without one (a tight memory cap) prompt products run the prefill GEMM.
+(72 MiB in bf16 on E2B: the merged gate/up of its double-wide MLPs) where the memory plan has room
+for it and for a cuBLAS workspace; without one (a tight memory cap) prompt products run the
+prefill GEMM.
 
 Rounding: each weight is rounded to x.dtype once (:func:`~qat4.ops.w4.embedding.w4_expand_rows_triton`,
-as the GEMM and the decode-batch kernel round it), cuBLAS accumulates in fp32 and rounds y to
-x.dtype, and the GELU gate runs on that y (:func:`~qat4.ops.norms.gelu_tanh_mul_triton`): the
+as the GEMM and the decode-batch kernel round it), cuBLAS accumulates in fp32 (torch's default lets
+it reduce split-K partial sums in 16 bits) and rounds y to x.dtype, and the GELU gate runs on that y (:func:`~qat4.ops.norms.gelu_tanh_mul_triton`): the
 rounding points of :func:`~qat4.ops.w4.reference.w4_linear_gelu_reference`, which is this
 module's reference beside :func:`~qat4.ops.w4.reference.w4_linear_reference`.
 """
