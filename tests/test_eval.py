@@ -9,7 +9,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from eval_harness import SHARED_DATA, last_user_text, scripted_server
+from eval_harness import SHARED_DATA, last_user_text, needs_shared_data, scripted_server
 from fastapi.responses import JSONResponse
 
 from qat4.cli import main
@@ -47,6 +47,7 @@ def _gsm8k_run(reply) -> list[Record]:
 # ---- gsm8k -----------------------------------------------------------------------------------------
 
 
+@needs_shared_data
 def test_gsm8k_reference_solutions_score_one():
     records = _gsm8k_run(lambda solution: {"content": solution})
     assert len(records) == LIMIT and all(r.correct for r in records)
@@ -54,12 +55,14 @@ def test_gsm8k_reference_solutions_score_one():
     assert [r.id for r in records] == [f"gsm8k_{i}" for i in range(LIMIT)]
 
 
+@needs_shared_data
 def test_gsm8k_wrong_numbers_score_zero():
     records = _gsm8k_run(lambda solution: {"content": f"The answer is {int(gsm8k.reference_answer(solution)) + 1}."})
     assert not any(r.correct for r in records)
     assert records[0].reason == "19 is not 18"
 
 
+@needs_shared_data
 def test_gsm8k_malformed_and_failed_replies_are_wrong_with_their_reason():
     def reply(solution):
         if solution.endswith("#### 18"):
@@ -205,6 +208,7 @@ def test_data_folder_comes_from_the_flag_then_the_environment(monkeypatch, tmp_p
     assert data.data_dir(None) == data.DEFAULT_DATA_DIR.expanduser()
 
 
+@needs_shared_data
 def test_gsm8k_is_fetched_from_the_hub_when_missing(monkeypatch, tmp_path):
     import huggingface_hub
     import pyarrow
@@ -242,6 +246,7 @@ def test_gsm8k_offline_without_a_local_copy_is_one_sentence(monkeypatch, tmp_pat
     assert err.startswith("qat4 eval: the GSM8K test split is not at") and "\n" not in err
 
 
+@needs_shared_data
 @pytest.mark.parametrize("argv, message", [
     (["eval", "gsm8k", "--url", "http://127.0.0.1:9", "--data", str(SHARED_DATA), "--limit", "1"],
      "cannot reach http://127.0.0.1:9"),
@@ -269,6 +274,7 @@ def test_a_jsonl_that_is_not_records_is_refused_with_its_line(tmp_path, capsys):
     assert read_jsonl(good)[0].correct is True
 
 
+@needs_shared_data
 def test_gsm8k_command_against_a_scripted_server_writes_records_and_summary(tmp_path, capsys):
     solutions = _solutions()
     with scripted_server(lambda body: {"content": solutions[last_user_text(body)]}) as server:

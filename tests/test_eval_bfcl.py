@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from eval_harness import SHARED_DATA, scripted_server
+from eval_harness import SHARED_DATA, needs_shared_data, scripted_server
 
 from qat4.cli import main
 from qat4.errors import Qat4Error
@@ -14,6 +14,8 @@ from qat4.eval import bfcl
 from qat4.eval.client import Reply, Server
 from qat4.eval.records import read_jsonl
 from qat4.eval.runner import run
+
+pytestmark = needs_shared_data
 
 LIMIT = 6
 

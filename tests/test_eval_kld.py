@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from eval_harness import SHARED_DATA
+from eval_harness import SHARED_DATA, needs_shared_data
 
 from qat4.checkpoint.synth import synthetic_model
 from qat4.cli import main
@@ -100,6 +100,7 @@ def test_a_perturbed_copy_diverges(packed, engine, chunks):
     assert alone.mean_kld is None and alone.perplexity == pytest.approx(report.perplexity)
 
 
+@needs_shared_data
 def test_kld_command_round_trips_its_own_logits_file_and_matches_transformers(tmp_path, capsys):
     common = ["eval", "kld", "--model", "synthetic:tiny", "--device", "cpu", "--data", str(SHARED_DATA)]
     base = tmp_path / "qat4.kld"

@@ -8,7 +8,7 @@ import json
 import signal
 
 import pytest
-from eval_harness import SHARED_DATA
+from eval_harness import SHARED_DATA, needs_shared_data
 
 from qat4.cli import main
 from qat4.eval.records import read_jsonl
@@ -45,6 +45,7 @@ def _files(tmp_path, task: str) -> list[str]:
     return ["--jsonl", str(tmp_path / f"{task}.jsonl"), "--json", str(tmp_path / f"{task}.json")]
 
 
+@needs_shared_data
 def test_gsm8k_starts_its_own_qat4_serve(tmp_path):
     assert main(["eval", "gsm8k", "--model", "synthetic:tiny", "--device", "cpu", "--limit", "2",
                  "--concurrency", "2", *TINY, *_files(tmp_path, "gsm8k")]) == 0
@@ -52,6 +53,7 @@ def test_gsm8k_starts_its_own_qat4_serve(tmp_path):
     assert summary["model"] == "synthetic:tiny" and records[0].expected == "18"
 
 
+@needs_shared_data
 def test_bfcl_against_a_running_qat4_serve(served, tmp_path):
     assert main(["eval", "bfcl", "--url", served, "--limit", "2", "--categories", "simple_python,irrelevance",
                  *TINY, *_files(tmp_path, "bfcl")]) == 0
