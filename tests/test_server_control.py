@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -70,6 +71,10 @@ def spawn():
     def start(argv: list[str]) -> subprocess.Popen:
         started.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL))
+        cmdline = Path(f"/proc/{started[-1].pid}/cmdline")
+        deadline = time.monotonic() + 10
+        while argv[-1].encode() not in cmdline.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the child has exec'd: before, /proc shows the test's own command line
         return started[-1]
 
     yield start
