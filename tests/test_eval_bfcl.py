@@ -104,3 +104,13 @@ def test_bfcl_command_writes_records_per_category(tmp_path, capsys):
     assert [r.id for r in read_jsonl(tmp_path / "b.jsonl")] == [q.id for q in questions]
     with pytest.raises(Qat4Error, match="--categories takes some of"):
         bfcl.parse_categories("simple,java")
+
+
+def test_the_checker_leaves_the_process_its_ipv6_name_resolution():
+    """bfcl-eval's import (its qwen-agent) swaps socket.getaddrinfo for an IPv4-only one; qat4 puts
+    the standard one back, so a server on [::1] stays reachable after a BFCL run."""
+    import socket
+
+    bfcl._bfcl()
+    assert socket.getaddrinfo.__module__ == "socket"
+    assert any(family == socket.AF_INET6 for family, *_ in socket.getaddrinfo("::1", 80))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import socket
 import types
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +33,10 @@ CHECKER_MODEL = "gpt-4o-2024-11-20-FC"
 @functools.cache
 def _bfcl() -> types.SimpleNamespace:
     """bfcl-eval's converter and checker (importing them takes seconds: the package loads every
-    model handler it knows)."""
+    model handler it knows). One of those, qwen-agent's image search, replaces socket.getaddrinfo
+    for the whole process with one that drops IPv6 addresses, after which nothing here could reach
+    a server on [::1]; the original is put back."""
+    getaddrinfo = socket.getaddrinfo
     try:
         from bfcl_eval.constants.enums import Language, ModelStyle
         from bfcl_eval.constants.type_mappings import GORILLA_TO_OPENAPI
@@ -42,6 +46,8 @@ def _bfcl() -> types.SimpleNamespace:
     except ImportError as exc:
         raise Qat4Error(f"qat4 eval bfcl scores with the Berkeley checker, which needs the bfcl-eval package "
                         f"(pip install 'qat4[eval]'; {exc})") from None
+    finally:
+        socket.getaddrinfo = getaddrinfo
     return types.SimpleNamespace(Language=Language, ModelStyle=ModelStyle, GORILLA_TO_OPENAPI=GORILLA_TO_OPENAPI,
                                  ast_checker=ast_checker, convert_to_tool=convert_to_tool,
                                  is_empty_output=is_empty_output,
