@@ -94,7 +94,7 @@ from qat4.ops.w4.common import (
     GELU_PAIRS, GELU_UP, PLAIN, _softcap, argmax_reduce_kernel, interpreting, sm_count, split_last, store_tile,
     unit_columns,
 )
-from qat4.ops.w4.reference import check
+from qat4.ops.w4.reference import check, check_gelu
 
 TILING_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_G", "SPLIT_K", "PREFETCH", "num_warps", "num_stages")
 _MAX_SPLIT = 16  # the last program of a tile adds this many partials at most (unrolled)
@@ -522,11 +522,8 @@ def w4_batch_linear_gelu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Te
     in the epilogue: without `up` W's rows alternate gate and up and the result is [M, N / 2];
     with `up` [M, N] (unit column stride, any row stride), gelu(y) * up [M, N]."""
     x, packed, scales = _operands(x, packed, scales)
+    check_gelu(x, packed, up)
     (m, _), n = x.shape, packed.shape[0]
-    if up is None and n % 2:
-        raise ValueError(f"GELU row pairs need an even row count, got N={n}")
-    if up is not None and tuple(up.shape) != (m, n):
-        raise ValueError(f"up must be [{m}, {n}], got {tuple(up.shape)}")
     out = _output(out, (m, n if up is not None else n // 2), x.dtype, x.device)
     _launch(x, packed, scales, out, epilogue=GELU_PAIRS if up is None else GELU_UP, up=unit_columns(up), config=config)
     return out

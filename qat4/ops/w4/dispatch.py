@@ -40,8 +40,9 @@ BATCH_ROWS = 128  # the decode-batch kernel up to this many; the prefill GEMM be
 EXPAND_ROWS = int(os.environ.get("QAT4_EXPAND_ROWS", str(BATCH_ROWS + 1)))  # the expanded product from this many
 
 
-def _expandable(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
-    return rows >= EXPAND_ROWS and torch.device(device).type == "cuda" and not multiplies_in_fp32(dtype, device)
+def _expandable(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether products of ``dtype`` activations on ``device`` run on tensor cores through cuBLAS."""
+    return torch.device(device).type == "cuda" and not multiplies_in_fp32(dtype, device)
 
 
 def _kernel(x: torch.Tensor, packed: torch.Tensor | None = None) -> str:
@@ -51,7 +52,8 @@ def _kernel(x: torch.Tensor, packed: torch.Tensor | None = None) -> str:
     m = x.shape[0]
     if m <= min(GEMV_ROWS, MAX_MATVEC_ROWS):
         return "gemv"
-    if packed is not None and _expandable(m, x.dtype, x.device) and has_scratch(x.device, x.dtype, packed.numel() * 8):
+    if (packed is not None and m >= EXPAND_ROWS and _expandable(x.dtype, x.device)
+            and has_scratch(x.device, x.dtype, packed.numel() * 8)):
         return "expanded"
     return "batch" if m <= BATCH_ROWS else "gemm"
 
@@ -59,7 +61,7 @@ def _kernel(x: torch.Tensor, packed: torch.Tensor | None = None) -> str:
 def expands_products(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether products of ``dtype`` activations on ``device`` can take the expanded path (from
     EXPAND_ROWS rows on, into a scratch the model reserves at load when its memory plan allows)."""
-    return triton_on(device) and _expandable(max(EXPAND_ROWS, GEMV_ROWS + 1), dtype, device)
+    return triton_on(device) and _expandable(dtype, device)
 
 
 def w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 
 from qat4.ops.norms import gelu_tanh_mul_triton
 from qat4.ops.w4.embedding import w4_expand_rows_triton
-from qat4.ops.w4.reference import check
+from qat4.ops.w4.reference import check, check_gelu
 
 _SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []  # scratches a larger one replaced: kept, a captured graph may still write there
@@ -67,13 +67,11 @@ def w4_expanded_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     cuBLAS; with ``gelu`` the GELU gate afterwards as :func:`~qat4.ops.w4.gemm.w4_matmul` has it
     in its epilogue (W's rows alternating gate and up -> [M, N / 2], or gelu(y) * up [M, N])."""
     check(x, packed, scales)
+    if gelu:
+        check_gelu(x, packed, up)
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"the expanded product multiplies 16-bit activations, got {x.dtype}")
-    (m, k), n = x.shape, packed.shape[0]
-    if gelu and up is None and n % 2:
-        raise ValueError(f"GELU row pairs need an even row count, got N={n}")
-    if up is not None and tuple(up.shape) != (m, n):
-        raise ValueError(f"up must be [{m}, {n}], got {tuple(up.shape)}")
+    k, n = x.shape[1], packed.shape[0]
     w = reserve_scratch(x.device, x.dtype, n * k)[: n * k].view(n, k)
     y = torch.mm(x, w4_expand_rows_triton(packed, scales, w).t())
     if not gelu:

@@ -110,6 +110,16 @@ def check(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
         )
 
 
+def check_gelu(x: torch.Tensor, packed: torch.Tensor, up: torch.Tensor | None) -> None:
+    """Raise ValueError unless a GELU-gated product fits: without `up` W's rows come in gate/up
+    pairs (an even N), with it `up` is [M, N]."""
+    (m, _), n = x.shape, packed.shape[0]
+    if up is None and n % 2:
+        raise ValueError(f"GELU row pairs need an even row count, got N={n}")
+    if up is not None and tuple(up.shape) != (m, n):
+        raise ValueError(f"up must be [{m}, {n}], got {tuple(up.shape)}")
+
+
 class ResidualStep(NamedTuple):
     """The residual step a linear layer's output y [M, D] feeds, as in
     :func:`qat4.ops.norms.residual_rms_norm_reference`: h_out = (h + RMSNorm_weight(y)) * scalar
