@@ -13,6 +13,7 @@ from qat4.checkpoint.synth import synthetic_model
 from qat4.config import TINY
 from qat4.engine import Engine
 from qat4.engine.kv_cache import BlockAllocator, KVPool, PoolExhausted, pool_blocks
+from qat4.engine.model_runner import ModelRunner
 from qat4.engine.scheduler import Scheduler
 from qat4.engine.sequence import Sequence, State
 from qat4.engine.sampler import SamplingParams, mask_logits
@@ -56,7 +57,8 @@ def record_logits(engine: Engine) -> dict:
         if masked:
             mask_logits(logits, engine.runner.allowed[slots])
         for row, (slot, pos) in enumerate(zip(slots.tolist(), positions.tolist())):
-            seen[(owners[slot].id, pos)] = logits[row]
+            if slot in owners:  # not a padded prompt step's pick on the scratch row
+                seen[(owners[slot].id, pos)] = logits[row]
         return logits.argmax(-1) if keep == 1 else engine.runner.sample(logits, slots, positions, keep)
 
     engine.runner.pick = recording
@@ -115,6 +117,35 @@ def test_every_sequence_gets_what_it_gets_alone_while_others_join_and_leave(pack
         decode_rows_with_chunk += bool(batch_before) and any(s.num_computed < len(s.prompt) for s in seqs)
     check_same(alone, seqs, seen)
     assert decode_rows_with_chunk > 0  # prompts were read between other sequences' decode steps
+    assert_pool_empty(engine)
+
+
+def test_padded_prompt_steps_give_every_sequence_what_it_gets_alone(packed, alone):
+    """Prompt steps padded as on CUDA (to 16 or 24 tokens, for one sequence or up to eight): the
+    chunks of several sequences in one step, the empty sequences and padding rows on the scratch
+    row, the picks of unfinished prompts there too. Every sequence gets the tokens it gets alone
+    and its logits to fp32 rounding (other row counts per product); the pool empties."""
+    engine = make_engine(packed, prefill_chunk=24)
+    engine.runner = ModelRunner(engine.model, engine.pool, max_num_seqs=engine.max_num_seqs, use_graph=False,
+                                max_chunk=24, pad_chunks=True)
+    assert engine.runner.chunk_sizes == [16, 24]
+    seen = record_logits(engine)
+    seqs, steps = [], 0
+    arrivals = {0: [0, 1, 2], 3: [3], 4: [4]}
+    while steps < 5 or engine.has_work:
+        for i in arrivals.get(steps, []):
+            n, new, sampling = REQUESTS[i]
+            seqs.append(engine.add_request(prompt(n, i), new, stop_token_ids=[], **sampling))
+        engine.step()
+        steps += 1
+    shapes = {key[:2] for key in engine.runner.chunk_graphs}  # (padded tokens, sequences) of the steps run
+    assert {t for t, _ in shapes} == {16, 24} and {s for _, s in shapes} == {1, 8}
+    for (tokens, logits), seq in zip(alone, seqs):
+        assert seq.output == tokens
+        mine = {pos: row for (sid, pos), row in seen.items() if sid == seq.id}
+        assert mine.keys() == logits.keys()
+        for pos in logits:
+            torch.testing.assert_close(mine[pos], logits[pos], rtol=1e-5, atol=1e-5)
     assert_pool_empty(engine)
 
 

@@ -221,8 +221,8 @@ class Engine:
     def _capture_graphs(self) -> None:
         """The decode graphs of every batch size for :meth:`_default_keeps`, with speculative
         decoding those of 1 + k rows per sequence for every k and batch size that may speculate,
-        and the one-sequence prompt chunks' graphs of every padded size, picking or not; other
-        sampling shapes are captured when they first run."""
+        and the padded prompt steps' graphs of every size, for one sequence and for several,
+        picking or not; other sampling shapes are captured when they first run."""
         for keep in self._default_keeps():
             for b in self.runner.sizes:
                 self.runner.capture(b, 1, keep)
@@ -230,8 +230,9 @@ class Engine:
                 for q in range(2, self.spec_tokens + 2):
                     self.runner.capture(b, q, keep)
         for t in self.runner.chunk_sizes:
-            for keep in (0, *self._default_keeps()):
-                self.runner.capture_chunk(t, keep)
+            for s in sorted({1, self.runner.chunk_seqs(t)}):
+                for keep in (0, *self._default_keeps()):
+                    self.runner.capture_chunk(t, s, keep)
 
     def _warm_kernels(self, probe: Sequence) -> None:
         """Launch every kernel variant an eager prompt step can need, on ``probe``'s blocks: a

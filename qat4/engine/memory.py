@@ -3,7 +3,7 @@
 Order of claims on the device memory (a cap's, or what the GPU has free): the model, and the MTP
 drafter when one drafts; the KV pool's full-attention blocks (``kv_tokens``); the sliding-window
 blocks of ``max_num_seqs`` sequences and the decode working memory of that many rows (and with
-CUDA graphs the prompt-chunk graphs'); then the prompt chunk's working memory and the autotuner's
+CUDA graphs the padded prompt steps' graphs); then the prompt chunk's working memory and the autotuner's
 buffer, the largest of AUTO_PREFILL_CHUNKS that fits; the prompt cache's extra sliding blocks
 (``prompt_cache_mib``: by default as much of DEFAULT_PROMPT_CACHE_MIB as is left); last, where
 prompt products can take it and it fits in what is left, the scratch of
@@ -115,12 +115,11 @@ def decode_nbytes(packed: PackedModel, seqs: int, spec_tokens: int = 0) -> int:
 
 
 def chunk_graph_nbytes(prefill_chunk: int) -> int:
-    """What the graphs of one-sequence prompt chunks keep from load on: the working memory of the
-    largest padded size they run (:data:`qat4.engine.model_runner.CHUNK_GRAPH_TOKENS`) within
-    ``prefill_chunk``."""
-    from qat4.engine.model_runner import CHUNK_GRAPH_TOKENS
+    """What the graphs of padded prompt steps keep from load on: the working memory of the largest
+    size they run (:func:`qat4.engine.model_runner.chunk_graph_sizes`) under ``prefill_chunk``."""
+    from qat4.engine.model_runner import chunk_graph_sizes
 
-    return max((t for t in CHUNK_GRAPH_TOKENS if t <= prefill_chunk), default=0) * PREFILL_BYTES_PER_TOKEN
+    return max(chunk_graph_sizes(prefill_chunk), default=0) * PREFILL_BYTES_PER_TOKEN
 
 
 def tuning_reserve(device: torch.device) -> int:

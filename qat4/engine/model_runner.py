@@ -9,14 +9,16 @@ A step has two parts, both enqueued before the host waits for anything:
   copied into its static input buffer; the padding rows point at the pool's scratch row. A row
   whose id is still on the device (the token sampled by the previous step) reads it from
   ``last_token[slot]``.
-- **prompt chunks**: the tokens of one or more prompts as one flat batch, eagerly. On CUDA a step
-  whose chunk is one sequence's, of at most CHUNK_GRAPH_TOKENS[-1] tokens, runs it padded to the
-  next size of CHUNK_GRAPH_TOKENS, replayed from a graph of that size when graphs are on (so a
-  graph and an eager engine compute the same): the padding rows belong to no sequence (no query
-  attends from them, every other op is row by row) and store their K/V on the scratch row. An
-  eager prompt step is some 400 launches from Python (40 ms of host time on an H200's host,
-  whatever the chunk's length), which is most of a short prompt's time to its first token and
-  stalls every decoding sequence for as long.
+- **prompt chunks**: the tokens of one or more prompts as one flat batch. On CUDA a step's chunks
+  run padded to the next of :func:`chunk_graph_sizes` (up to ``prefill_chunk`` tokens, so every
+  step the scheduler makes), replayed from a graph of that size when graphs are on (so a graph and
+  an eager engine compute the same). One graph per size serves one sequence, another up to
+  min(size, max_num_seqs) sequences, the unused ones empty; the padding rows belong to no
+  sequence (no query attends from them, every other op is row by row) and store their K/V on the
+  scratch row; the picks of chunks that do not end their prompt, and of the empty sequences, land
+  on the scratch row too. Without the padding a prompt step is some 700 launches from Python (40
+  ms of host time on an H200's host, whatever the chunk's length), which is most of a short
+  prompt's time to its first token and stalls every decoding sequence for as long.
 
 Each sampled token is written to ``last_token[slot]`` on the device (the next step's input) and to
 a pinned host buffer; :meth:`ModelRunner.launch` returns a :class:`StepTokens` that waits for that
@@ -50,7 +52,15 @@ from qat4.model import ForwardBatch, Gemma4
 from qat4.ops.attention import PagedSeqs
 
 
-CHUNK_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)  # padded sizes of the one-sequence prompt chunks replayed
+CHUNK_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)  # padded sizes of prompt steps
+
+
+def chunk_graph_sizes(prefill_chunk: int) -> list[int]:
+    """The token counts prompt steps are padded to under ``prefill_chunk``: the sizes of
+    CHUNK_GRAPH_TOKENS below it, and prefill_chunk itself unless it is past the largest (then
+    steps longer than that run unpadded)."""
+    sizes = [t for t in CHUNK_GRAPH_TOKENS if t < prefill_chunk]
+    return sizes + [prefill_chunk] if prefill_chunk <= CHUNK_GRAPH_TOKENS[-1] else sizes
 
 
 def graph_sizes(max_num_seqs: int) -> list[int]:
@@ -113,7 +123,10 @@ class ModelRunner:
     """The model, the KV pool and the per-slot device state of one engine."""
 
     def __init__(self, model: Gemma4, pool: KVPool, *, max_num_seqs: int, use_graph: bool, max_rows: int = 0,
-                 keep_hidden: bool = False, max_chunk: int = 0):
+                 keep_hidden: bool = False, max_chunk: int = 0, pad_chunks: bool | None = None):
+        """``max_chunk``: the most prompt tokens a step reads (``prefill_chunk``); ``pad_chunks``:
+        run prompt steps padded to :func:`chunk_graph_sizes` (default: on CUDA, where they can
+        replay graphs)."""
         dev = model.device
         self.model, self.pool, self.device = model, pool, dev
         self.max_num_seqs, self.max_ctx = max_num_seqs, pool.max_ctx
@@ -138,15 +151,17 @@ class ModelRunner:
         self._turn = 0
         self.graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, q, keep, masked)
         self._graph_pool = None
-        # one-sequence prompt chunks: ids, positions, slots [3, T]; cu_q [2], its table row [1] and
-        # the row that picks [1]; the picked token
-        self.chunk_sizes = [t for t in CHUNK_GRAPH_TOKENS if t <= max_chunk] if dev.type == "cuda" else []
+        # padded prompt steps: ids, positions, slots [3, T]; for S sequences cu_q [S + 1], their
+        # table rows [S], the rows that pick [S] and the slots they pick for [S]; the picked tokens
+        pad = dev.type == "cuda" if pad_chunks is None else pad_chunks
+        self.chunk_sizes = chunk_graph_sizes(max_chunk) if pad and max_chunk else []
         width = max(self.chunk_sizes, default=0)
         self._chunk_meta = torch.zeros(3, width, dtype=torch.int64, device=dev)
-        self._chunk_seqs = torch.zeros(4, dtype=torch.int64, device=dev)
-        self._chunk_token = torch.zeros(1, dtype=torch.int64, device=dev)
-        # (padded tokens, keep; 0: no pick, masked) -> graph, or None once run eagerly without graphs
-        self.chunk_graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph | None] = {}
+        self._chunk_seqs = torch.zeros(4 * self.chunk_seqs(width) + 1, dtype=torch.int64, device=dev)
+        self._chunk_tokens = torch.zeros(self.chunk_seqs(width), dtype=torch.int64, device=dev)
+        # (padded tokens, sequences, keep; 0: no pick, masked) -> graph, or None once run eagerly
+        # without graphs
+        self.chunk_graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph | None] = {}
 
     # ---- per-slot state ------------------------------------------------------------------------
 
@@ -290,9 +305,10 @@ class ModelRunner:
         chunks) picks its sequence's next token (``masked``: with the slots' allowed tokens).
         Returns those tokens [len(sampled)]."""
         keep = self.keep_for([chunks[i][0] for i in sampled]) if sampled else 0
-        padded = next((t for t in self.chunk_sizes if t >= chunks[0][1]), None) if len(chunks) == 1 else None
+        total = sum(n for _, n in chunks)
+        padded = next((t for t in self.chunk_sizes if t >= total), None)
         if padded is not None:
-            return self._replay_chunk(*chunks[0], padded, keep, masked)
+            return self._replay_chunks(chunks, sampled, padded, keep, masked)
         if not sampled:
             self.forward_chunks(chunks)
             return torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -301,59 +317,81 @@ class ModelRunner:
             cu.append(cu[-1] + n)
         ends = to_device(torch.tensor([cu[i + 1] - 1 for i in sampled]), self.device)
         h, positions, slots = self.forward_chunks(chunks)
-        return self._pick_ends(h, slots, positions, ends, keep, masked)
+        return self._pick_ends(h, positions, ends, slots[ends], keep, masked)
 
-    def _pick_ends(self, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, ends: torch.Tensor,
+    def _pick_ends(self, h: torch.Tensor, positions: torch.Tensor, ends: torch.Tensor, slots: torch.Tensor,
                    keep: int, masked: bool) -> torch.Tensor:
-        """The tokens the rows ``ends`` of a prompt step pick, into their slots' last_token (and
-        last_hidden)."""
-        tokens = self.pick(h[ends], slots[ends], positions[ends], keep, masked)
-        self.last_token.index_copy_(0, slots[ends], tokens)
+        """The tokens the rows ``ends`` [S] of a prompt step pick for ``slots`` [S], into those
+        slots' last_token (and last_hidden)."""
+        tokens = self.pick(h[ends], slots, positions[ends], keep, masked)
+        self.last_token.index_copy_(0, slots, tokens)
         if self.last_hidden is not None:
-            self.last_hidden.index_copy_(0, slots[ends], h[ends])
+            self.last_hidden.index_copy_(0, slots, h[ends])
         return tokens
 
-    def _chunk(self, t: int, keep: int, masked: bool) -> None:
-        """The prompt chunk in ``_chunk_meta[:, :t]`` (one sequence's rows, then padding; ``_chunk_seqs``):
-        forward, and with keep > 0 the pick of its last real row into ``_chunk_token`` (what a graph captures)."""
+    def chunk_seqs(self, t: int) -> int:
+        """Sequences a padded prompt step of t tokens holds at most: one per token, one per slot."""
+        return min(t, self.max_num_seqs)
+
+    def _chunk_fields(self, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of ``_chunk_seqs`` for a padded step of s sequences: cu_q [s + 1], table rows [s],
+        rows that pick [s] and the slots they pick for [s]."""
+        f = self._chunk_seqs
+        return f[: s + 1], f[s + 1 : 2 * s + 1], f[2 * s + 1 : 3 * s + 1], f[3 * s + 1 : 4 * s + 1]
+
+    def _chunk(self, t: int, s: int, keep: int, masked: bool) -> None:
+        """The padded prompt step in ``_chunk_meta[:, :t]`` and ``_chunk_fields(s)``: forward, and
+        with keep > 0 the s picks into ``_chunk_tokens`` (what a graph captures)."""
         ids, positions, slots = self._chunk_meta[:, :t]
-        cu_q, rows, end = self._chunk_seqs[:2], self._chunk_seqs[2:3], self._chunk_seqs[3:]
+        cu_q, rows, ends, picks = self._chunk_fields(s)
         h = self.model.forward(ids, positions, self.pool, self._batch(slots, positions, cu_q, rows, t, self.max_ctx))
         if keep:
-            self._chunk_token.copy_(self._pick_ends(h, slots, positions, end, keep, masked))
+            self._chunk_tokens[:s].copy_(self._pick_ends(h, positions, ends, picks, keep, masked))
 
-    def capture_chunk(self, t: int, keep: int, masked: bool = False) -> None:
-        """Capture the graph of a one-sequence prompt chunk padded to t tokens, picking with
-        sampling shape keep (0: no pick), masked or not, if not yet captured, every row on the
-        scratch row; without graphs, run it once there (which compiles its kernels)."""
-        if (t, keep, masked) in self.chunk_graphs:
+    def capture_chunk(self, t: int, s: int, keep: int, masked: bool = False) -> None:
+        """Capture the graph of a prompt step padded to t tokens for up to s sequences, picking
+        with sampling shape keep (0: no pick), masked or not, if not yet captured, every row on
+        the scratch row; without graphs, run it once there (which compiles its kernels)."""
+        if (t, s, keep, masked) in self.chunk_graphs:
             return
         scratch = self.pool.scratch_row
         self._chunk_meta[:, :t] = torch.stack([torch.zeros(t, dtype=torch.int64), torch.arange(t),
                                                torch.full((t,), scratch)]).to(self.device)
-        self._chunk_seqs.copy_(torch.tensor([0, t, scratch, t - 1]))
+        self._chunk_seqs[: 4 * s + 1].copy_(torch.tensor([0] + [t] * s + [scratch] * s + [t - 1] * s + [scratch] * s))
         graph = None
         if self.use_graph:
-            graph = capture_graph(lambda: self._chunk(t, keep, masked), self.device, self._graph_pool)
+            graph = capture_graph(lambda: self._chunk(t, s, keep, masked), self.device, self._graph_pool)
             self._graph_pool = graph.pool()
         else:
-            self._chunk(t, keep, masked)
-        self.chunk_graphs[(t, keep, masked)] = graph
+            self._chunk(t, s, keep, masked)
+        self.chunk_graphs[(t, s, keep, masked)] = graph
 
-    def _replay_chunk(self, seq: Sequence, n: int, t: int, keep: int, masked: bool) -> torch.Tensor:
-        """n prompt tokens of ``seq`` from ``num_computed`` on, padded to t tokens (rows n..), replayed
-        from their graph (or run eagerly without graphs)."""
-        self.capture_chunk(t, keep, masked)
-        start, pad, scratch = seq.num_computed, t - n, self.pool.scratch_row
-        meta = [seq.tokens[start : start + n] + [0] * pad, [*range(start, start + n), *range(pad)],
-                [seq.slot] * n + [scratch] * pad]
+    def _replay_chunks(self, chunks: list[tuple[Sequence, int]], sampled: list[int], t: int, keep: int,
+                       masked: bool) -> torch.Tensor:
+        """Prompt chunks (sequence, tokens from ``num_computed`` on) padded to t tokens, replayed
+        from their graph (or run eagerly without graphs); the picks of ``sampled`` come first."""
+        s = 1 if len(chunks) == 1 else self.chunk_seqs(t)
+        self.capture_chunk(t, s, keep, masked)
+        scratch = self.pool.scratch_row
+        ids, positions, slots, cu, rows = [], [], [], [0], []
+        for seq, n in chunks:
+            start = seq.num_computed
+            ids += seq.tokens[start : start + n]
+            positions += range(start, start + n)
+            slots += [seq.slot] * n
+            cu.append(cu[-1] + n)
+            rows.append(seq.slot)
+        pad, empty, unpicked = t - cu[-1], s - len(chunks), s - len(sampled)
+        meta = [ids + [0] * pad, [*positions, *range(pad)], slots + [scratch] * pad]
+        fields = (cu + [cu[-1]] * empty + rows + [scratch] * empty + [cu[i + 1] - 1 for i in sampled]
+                  + [t - 1] * unpicked + [chunks[i][0].slot for i in sampled] + [scratch] * unpicked)
         self._chunk_meta[:, :t].copy_(to_device(torch.tensor(meta, dtype=torch.int64), self.device))
-        self._chunk_seqs.copy_(to_device(torch.tensor([0, n, seq.slot, n - 1]), self.device))
+        self._chunk_seqs[: 4 * s + 1].copy_(to_device(torch.tensor(fields, dtype=torch.int64), self.device))
         if self.use_graph:
-            self.chunk_graphs[(t, keep, masked)].replay()
+            self.chunk_graphs[(t, s, keep, masked)].replay()
         else:
-            self._chunk(t, keep, masked)
-        return self._chunk_token if keep else torch.zeros(0, dtype=torch.int64, device=self.device)
+            self._chunk(t, s, keep, masked)
+        return self._chunk_tokens[: len(sampled)] if keep else torch.zeros(0, dtype=torch.int64, device=self.device)
 
     def launch(self, decode: list[Sequence], decode_keep: int, chunks: list[tuple[Sequence, int]],
                sampled: list[int], masked: bool = False) -> StepTokens:

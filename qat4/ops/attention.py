@@ -107,13 +107,30 @@ def paged_attention_reference(
 # Triton kernels
 
 
-@triton.jit(do_not_specialize=["Pos", "CuQ", "SeqRows", "n_rows"])
+@triton.jit
+def _ragged_block(CuQ, n_seqs, H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+    """(sequence, its row block) of program p = tl.program_id(0) when the row blocks of B =
+    n_seqs sequences (CuQ [B + 1]; sequence b has cdiv((CuQ[b + 1] - CuQ[b]) * H, BLOCK_R) of them,
+    none when empty) are numbered back to back; BLOCK_B >= B. A program past the last block gets
+    sequence B (no sequence)."""
+    p = tl.program_id(0)
+    b = tl.arange(0, BLOCK_B)
+    b_ok = b < n_seqs
+    lengths = tl.load(CuQ + b + 1, mask=b_ok, other=0) - tl.load(CuQ + b, mask=b_ok, other=0)
+    blocks = tl.cdiv(lengths * H, BLOCK_R)
+    ends = tl.cumsum(blocks, axis=0)
+    seq = tl.sum((ends <= p).to(tl.int32), axis=0)
+    before = tl.sum(tl.where(b < seq, blocks, 0), axis=0)
+    return seq, p - before
+
+
+@triton.jit(do_not_specialize=["Pos", "CuQ", "SeqRows", "n_rows", "n_seqs"])
 def _paged_attn_kernel(
     Q, K, V, Out, PartAcc, PartM, PartL, Pos, CuQ, SeqRows, BlockTable,
-    n_rows, window,
+    n_rows, n_seqs, window,
     stride_qt, stride_qh, stride_kn, stride_vn, stride_ot, stride_oh, stride_bt,
     H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Online-softmax attention of BLOCK_R query rows of one sequence over one split of its keys.
 
@@ -128,13 +145,25 @@ def _paged_attn_kernel(
     fp32 (unnormalised); else write Out [T, H, D] (strides stride_ot, stride_oh, 1) = acc / l.
     Split s covers keys [lo + s * c, lo + (s + 1) * c) with c = ceil((hi - lo) / n_splits) rounded
     up to BLOCK_N.
-    Grid: (cdiv(max_q_len * H, BLOCK_R), n_splits, B); blocks past a sequence's rows store nothing.
+    Grid: (cdiv(max_q_len * H, BLOCK_R), n_splits, B) with BLOCK_B = 0; blocks past a sequence's
+    rows store nothing. Or *ragged* (BLOCK_B >= B = n_seqs, a power of two): (cdiv(T * H, BLOCK_R)
+    + B, n_splits, 1), the sequences' row blocks numbered back to back (:func:`_ragged_block`), so
+    that sequences of very different lengths (prompt chunks of several sequences padded to a
+    graph's size) launch about as many programs as their rows need; programs past the last block
+    store nothing.
     """
-    pid_r = tl.program_id(0)
     pid_s = tl.program_id(1)
-    seq = tl.program_id(2)
+    if BLOCK_B:
+        seq, pid_r = _ragged_block(CuQ, n_seqs, H, BLOCK_R, BLOCK_B)
+        live = seq < n_seqs
+        seq = tl.minimum(seq, n_seqs - 1)
+    else:
+        pid_r = tl.program_id(0)
+        seq = tl.program_id(2)
     t_begin = tl.load(CuQ + seq)
     t_end = tl.load(CuQ + seq + 1)
+    if BLOCK_B:
+        t_end = tl.where(live, t_end, t_begin)
     rows = t_begin * H + pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < t_end * H
     t = rows // H
@@ -313,9 +342,16 @@ def paged_attention_triton(
     if T == 0 or n_seqs == 0:
         return out
     tiles = tiles or attention_tiles(seqs.max_q_len, D, q.device)
-    row_blocks = triton.cdiv(seqs.max_q_len * H, tiles.block_r)
+    chunk = seqs.max_q_len > DECODE_QUERIES
+    ragged = chunk and n_seqs > 1
+    if ragged:  # every sequence's row blocks back to back: at most one partial block each
+        block_b = max(16, triton.next_power_of_2(n_seqs))
+        grid_seqs, row_blocks = 1, triton.cdiv(T * H, tiles.block_r) + n_seqs
+    else:
+        block_b, grid_seqs, row_blocks = 0, n_seqs, triton.cdiv(seqs.max_q_len * H, tiles.block_r)
     max_keys = seqs.max_keys if window is None else min(seqs.max_keys, window + seqs.max_q_len - 1)
-    splits = splits or num_splits(n_seqs, row_blocks, max_keys, tiles, q.device, seqs.max_q_len > DECODE_QUERIES)
+    splits = splits or num_splits(grid_seqs, row_blocks, max_keys, tiles, q.device, chunk)
+    grid = (row_blocks, splits, grid_seqs)
     n_rows = T * H
     if splits > 1:
         part_acc = torch.empty((splits, n_rows, D), dtype=torch.float32, device=q.device)
@@ -324,13 +360,13 @@ def paged_attention_triton(
     else:
         part_acc = part_m = part_l = out
     pdl = pdl_launch(q, seqs.max_q_len)
-    _paged_attn_kernel[(row_blocks, splits, n_seqs)](
+    _paged_attn_kernel[grid](
         q, k_pool, v_pool, out, part_acc, part_m, part_l, seqs.positions, seqs.cu_q, seqs.rows, block_table,
-        n_rows, _NO_WINDOW if window is None else window,
+        n_rows, n_seqs, _NO_WINDOW if window is None else window,
         q.stride(0), q.stride(1), k_pool.stride(0), v_pool.stride(0), out.stride(0), out.stride(1),
         block_table.stride(0),
         H=H, D=D, BS=block_size, SPLIT=splits > 1, BLOCK_R=tiles.block_r, BLOCK_N=tiles.block_n,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl,
+        BLOCK_B=block_b, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl,
     )
     if splits > 1:
         block_s = merge_width(splits)

@@ -18,7 +18,7 @@ from engine_runs import run
 from qat4.checkpoint.synth import synthetic_model
 from qat4.config import E2B
 from qat4.engine import Engine
-from qat4.engine.model_runner import CHUNK_GRAPH_TOKENS
+from qat4.engine.model_runner import chunk_graph_sizes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from server_harness import LiveServer, tiny_tokenizer, wait_until  # noqa: E402
@@ -56,11 +56,12 @@ def test_graph_replay_equals_eager_at_every_captured_batch_size(engine, eager):
 def record_logits(engine):
     seen = {}
 
-    def recording(h, slots, positions, keep):
+    def recording(h, slots, positions, keep, masked=False):
         owners = {s.slot: s for s in engine.scheduler.running}
         logits = engine.model.logits(h)
         for row, (slot, pos) in enumerate(zip(slots.tolist(), positions.tolist())):
-            seen[(owners[slot].id, pos)] = logits[row].float().cpu()
+            if slot in owners:  # not a padded prompt step's pick on the scratch row
+                seen[(owners[slot].id, pos)] = logits[row].float().cpu()
         return logits.argmax(-1)
 
     engine.runner.pick = recording
@@ -98,13 +99,14 @@ def test_rows_agree_with_the_same_sequence_alone(eager):
 
 
 def test_padded_prompt_chunks_agree_with_the_prompt_read_unpadded(engine, eager):
-    """A one-sequence prompt chunk runs padded to the next of 16 .. 512 tokens (replayed from a
-    graph, or eagerly without graphs): its last row's logits against the same prompt read unpadded
-    (Engine.logits), KL and top-1 agreement printed."""
-    assert set(engine.runner.chunk_graphs) >= {(t, 1, False) for t in CHUNK_GRAPH_TOKENS}
+    """A one-sequence prompt chunk runs padded to the next of 16 .. prefill_chunk tokens (replayed
+    from a graph, or eagerly without graphs): its last row's logits against the same prompt read
+    unpadded (Engine.logits), KL and top-1 agreement printed."""
+    sizes = chunk_graph_sizes(engine.prefill_chunk)
+    assert set(engine.runner.chunk_graphs) >= {(t, s, 1, False) for t in sizes for s in (1, engine.runner.chunk_seqs(t))}
     seen = record_logits(eager)
     kls, same = [], 0
-    lengths = (3, 16, 17, 100, 300, 512)
+    lengths = (3, 16, 17, 100, 300, 512, 600, 2000)
     try:
         for n in lengths:
             p = prompts(1, length=n - 1, seed=n)[0]
