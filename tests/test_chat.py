@@ -393,9 +393,17 @@ def test_parse_reply(name):
     assert reply == expected
 
 
-def _stream(chunks, thinking):
+def _chunkings(text: str, seed: str) -> list[list[str]]:
+    """Ways to cut a reply into deltas: characters, pieces of 2, 3 and 7 characters, random cuts, whole."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 5))) if len(text) > 1 else []
+    sized = [[text[i:i + size] for i in range(0, len(text), size)] for size in (1, 2, 3, 7)]
+    return [*sized, [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])], [text]]
+
+
+def _stream(chunks, thinking, tools=None):
     """Feed chunks; returns (reply, concatenated content deltas, reasoning deltas, streamed calls)."""
-    stream = ReplyStream(thinking)
+    stream = ReplyStream(thinking, tools)
     events = [event for chunk in chunks for event in stream.feed(chunk)] + stream.flush()
     text = {kind: "".join(e.text for e in events if e.kind == kind) for kind in ("content", "reasoning")}
     calls = {kind: [e.tool_call for e in events if e.kind == kind] for kind in ("tool_call", "invalid_tool_call")}
@@ -405,10 +413,7 @@ def _stream(chunks, thinking):
 @pytest.mark.parametrize("name", REPLIES)
 def test_stream_matches_parse_reply(name):
     text, thinking, expected = REPLIES[name]
-    rng = random.Random(name)
-    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 5))) if len(text) > 1 else []
-    random_chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-    for chunks in (list(text), random_chunks, [text]):
+    for chunks in _chunkings(text, name):
         reply, content, reasoning, calls, invalid_calls = _stream(chunks, thinking)
         assert reply == expected
         streamed = (content or None, reasoning or None, calls, invalid_calls)
@@ -483,11 +488,11 @@ SCHEMA_REPLIES = {
 def test_schema_gated_repairs(name):
     text, expected = SCHEMA_REPLIES[name]
     assert parse_reply(text, tools=[WRITE_TOOL]) == expected
-    for chunks in (list(text), [text[:len(text) // 2], text[len(text) // 2:]]):
-        stream = ReplyStream(tools=[WRITE_TOOL])
-        events = [event for chunk in chunks for event in stream.feed(chunk)] + stream.flush()
-        assert stream.finish() == expected
-        assert [e.tool_call for e in events if e.kind == "tool_call"] == expected.tool_calls
+    for chunks in _chunkings(text, name):
+        reply, content, _, calls, invalid_calls = _stream(chunks, False, [WRITE_TOOL])
+        assert reply == expected
+        assert (content or None, calls, invalid_calls) == (expected.content, expected.tool_calls,
+                                                          expected.invalid_tool_calls)
 
 
 def test_raw_strings_need_the_schema():
