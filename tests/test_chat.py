@@ -294,10 +294,10 @@ REPLIES = {
     "empty_thought": ("<|channel>thought\n<channel|>The answer.<turn|>", False, Reply("The answer.")),
     "thought": ("<|channel>thought\nCompare 9.11 and 9.9.\n<channel|>9.9 is larger.<turn|>", True,
                 Reply("9.9 is larger.", "Compare 9.11 and 9.9.")),
-    "thought_when_off": ("<|channel>thought\nhmm<channel|>ok", False, Reply("ok", "hmm")),
+    "thought_when_off_dropped": ("<|channel>thought\nhmm<channel|>ok", False, Reply("ok")),
     "thinking_on_no_thought": ("Just an answer.<turn|>", True, Reply("Just an answer.")),
     "unterminated_thought_on": ("<|channel>thought\nStill thinking about", True, Reply(None, "Still thinking about")),
-    "unterminated_thought_off": ("<|channel>thought\nStill thinking about", False, Reply("Still thinking about")),
+    "unterminated_thought_off_dropped": ("<|channel>thought\nStill thinking about", False, Reply()),
     "thought_cut_by_stop": ("<|channel>thought\nabc<turn|>", True, Reply(None, "abc")),
     "label_only_prefix": ("<|channel>tho", True, Reply(None, "tho")),
     "prompt_opened_thought": ("<|channel>thought\nuse the result<channel|>It is 18 C.", True,
@@ -306,9 +306,36 @@ REPLIES = {
     "label_then_close": ("<|channel>thought<channel|>ok", True, Reply("ok")),
     "label_then_close_off": ("<|channel>thought<channel|>ok", False, Reply("ok")),
     "doubled_open": ("<|channel><|channel>thought\nx<channel|>ok", True, Reply("ok", "x")),
-    "doubled_open_off": ("<|channel><|channel>thought\nx<channel|>ok", False, Reply("ok", "x")),
+    "doubled_open_off": ("<|channel><|channel>thought\nx<channel|>ok", False, Reply("ok")),
     "doubled_open_after_label": ("<|channel>thought\n<|channel>thought\nx<channel|>ok", True, Reply("ok", "x")),
     "stray_thought_close": ("<|channel>thought\nx<channel|>a<channel|>b", True, Reply("ab", "x")),
+    "stray_close_without_opener": ("Some text<channel|> more", True, Reply("Some text more")),
+    "stray_close_before_call": ("<|channel>thought\n<channel|>I will check.<channel|>" + CALL_TEXT, True,
+                                Reply("I will check.", None, [WEATHER_CALL])),
+    "multiple_thoughts": ("<|channel>first thought<channel|><|channel>second thought<channel|>Final answer.", True,
+                          Reply("Final answer.", "first thoughtsecond thought")),
+    "thought_only": ("<|channel>just thinking<channel|>", True, Reply(None, "just thinking")),
+    "thought_label_diverges": ("<|channel>thousand reasons<channel|>Done", True, Reply("Done", "thousand reasons")),
+    "text_around_thought": ("Before\n<|channel>a reasoning section<channel|>\nthe rest", True,
+                            Reply("Before\n\nthe rest", "a reasoning section")),
+    "thought_cut_by_call": ("<|channel>thought\nneed weather" + CALL_TEXT, True, Reply(None, "need weather", [WEATHER_CALL])),
+    "thought_cut_by_call_off": ("<|channel>thought\nneed weather" + CALL_TEXT, False, Reply(None, None, [WEATHER_CALL])),
+    "stray_call_close_in_thought": ("<|channel>thought\na<tool_call|>b<channel|>ok", True, Reply("ok", "ab")),
+    "dangling_open_after_call": (CALL_TEXT + "<|channel> ", True, Reply(None, None, [WEATHER_CALL])),
+    # The bare label `thought` opening the reply: a thought block without its `<|channel>` once
+    # `<channel|>` or a call ends it, else a spurious label before the answer.
+    **{f"bare_label_{name}{'_on' if thinking else '_off'}": (text, thinking, expected(thinking))
+       for name, (text, expected) in {
+        "then_close": ("thought\n<channel|>The answer.", lambda on: Reply("The answer.")),
+        "directly_closed": ("thought<channel|>The answer.", lambda on: Reply("The answer.")),
+        "thought": (" thought\nweigh it\n<channel|>The answer.", lambda on: Reply("The answer.", "weigh it" if on else None)),
+        "then_call": ("thought\nneed weather" + CALL_TEXT, lambda on: Reply(None, "need weather" if on else None,
+                                                                             [WEATHER_CALL])),
+        "spurious": ("thought\nThe answer is 42.<turn|>", lambda on: Reply("The answer is 42.")),
+        "word_not_label": ("thought about it, and no.", lambda on: Reply("thought about it, and no.")),
+        "longer_word": ("thoughtful answer", lambda on: Reply("thoughtful answer")),
+        "cut_short": ("thoug", lambda on: Reply("thoug")),
+    }.items() for thinking in (False, True)},
     "tool_call": (CALL_TEXT + "<|tool_response>", False, Reply(None, None, [WEATHER_CALL])),
     "extra_call_close": (CALL_TEXT + "<tool_call|>", False, Reply(None, None, [WEATHER_CALL])),
     "extra_call_close_then_text": (CALL_TEXT + "\n<tool_call|> Done.", False, Reply("Done.", None, [WEATHER_CALL])),
@@ -430,15 +457,30 @@ def test_stream_holds_partial_markers():
     assert stream.finish() == Reply("Hello", None, [{"name": "f", "arguments": {"a": 1}}])
 
 
-def test_stream_reasoning_is_live_only_when_thinking():
+def test_stream_reasoning_is_live_when_thinking_and_dropped_when_not():
     live = ReplyStream(thinking=True)
     assert [(e.kind, e.text) for e in live.feed("<|channel>thought\nStep one. ")] == [("reasoning", "Step one.")]
     events = live.feed("Step two.<channel|>A")
     assert [(e.kind, e.text) for e in events] == [("reasoning", " Step two."), ("content", "A")]
-    held = ReplyStream(thinking=False)
-    assert held.feed("<|channel>thought\nStep one. ") == []
-    assert [(e.kind, e.text) for e in held.feed("Step two.<channel|>A")] == [("reasoning", "Step one. Step two."),
-                                                                           ("content", "A")]
+    off = ReplyStream(thinking=False)
+    assert off.feed("<|channel>thought\nStep one. ") == []
+    assert [(e.kind, e.text) for e in off.feed("Step two.<channel|>A")] == [("content", "A")]
+
+
+def test_stream_holds_a_bare_label_until_it_is_known():
+    """A reply opening with the bare label streams nothing until `<channel|>` shows it was a thought
+    block (one reasoning delta) or the reply ends without one (the rest is content)."""
+    for thinking in (True, False):
+        closed = ReplyStream(thinking)
+        assert closed.feed("thought\nStep one. ") == [] and closed.feed("Step two.") == []
+        expected = [("reasoning", "Step one. Step two.")] if thinking else []
+        assert [(e.kind, e.text) for e in closed.feed("<channel|>A")] == [*expected, ("content", "A")]
+        spurious = ReplyStream(thinking)
+        assert spurious.feed("thought\nThe answer") == []
+        assert [(e.kind, e.text) for e in spurious.flush()] == [("content", "The answer")]
+    plain = ReplyStream(thinking=True)
+    assert plain.feed("though") == []
+    assert [(e.kind, e.text) for e in plain.feed("t it was")] == [("content", "thought it was")]
 
 
 def test_stream_prompt_prefix():
