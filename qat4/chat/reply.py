@@ -48,7 +48,7 @@ class ReplyEvent:
 def parse_reply(text: str, thinking: bool = False, tools: Sequence[Mapping[str, Any]] | None = None) -> Reply:
     """Split raw model output (special tokens kept as text) into content, reasoning and tool calls.
 
-    `thinking` says thinking was enabled: a thought block (`<|channel>thought\n...<channel|>`, or
+    `thinking` says thinking was enabled: a thought block (`<|channel>thought\\n...<channel|>`, or
     left open at the end) is then reasoning; with thinking off it is dropped, as ollama does: it is
     never content, and the client did not ask for reasoning. A thought block ends at `<channel|>`
     or at a `<|tool_call>` the model opens inside it. Slips the model makes around thought blocks are
