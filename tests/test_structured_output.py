@@ -267,7 +267,7 @@ def test_json_strings_never_hold_markup_or_control_characters(string, thinking):
     assert allowed(tiny_tokenizer().encode("a")[0])
 
 
-@pytest.mark.parametrize("prefix", ["", "<|channel>"])
+@pytest.mark.parametrize("prefix", ["", "<|channel>", "<|channel>thought\n"])
 def test_a_thought_block_may_come_before_json(prefix):
     """With thinking on the reply may open with a thought block (line breaks and tabs in it), its
     opening perhaps already in the prompt; the JSON follows and then only a stop token."""
