@@ -294,21 +294,51 @@ REPLIES = {
     "empty_thought": ("<|channel>thought\n<channel|>The answer.<turn|>", False, Reply("The answer.")),
     "thought": ("<|channel>thought\nCompare 9.11 and 9.9.\n<channel|>9.9 is larger.<turn|>", True,
                 Reply("9.9 is larger.", "Compare 9.11 and 9.9.")),
-    "thought_when_off": ("<|channel>thought\nhmm<channel|>ok", False, Reply("ok", "hmm")),
+    "thought_when_off_dropped": ("<|channel>thought\nhmm<channel|>ok", False, Reply("ok")),
     "thinking_on_no_thought": ("Just an answer.<turn|>", True, Reply("Just an answer.")),
     "unterminated_thought_on": ("<|channel>thought\nStill thinking about", True, Reply(None, "Still thinking about")),
-    "unterminated_thought_off": ("<|channel>thought\nStill thinking about", False, Reply("Still thinking about")),
+    "unterminated_thought_off_dropped": ("<|channel>thought\nStill thinking about", False, Reply()),
     "thought_cut_by_stop": ("<|channel>thought\nabc<turn|>", True, Reply(None, "abc")),
     "label_only_prefix": ("<|channel>tho", True, Reply(None, "tho")),
+    "label_only": ("<|channel>thought", True, Reply()),
     "prompt_opened_thought": ("<|channel>thought\nuse the result<channel|>It is 18 C.", True,
                               Reply("It is 18 C.", "use the result")),
     "thoughtful_is_not_the_label": ("<|channel>thoughtful<channel|>ok", True, Reply("ok", "thoughtful")),
     "label_then_close": ("<|channel>thought<channel|>ok", True, Reply("ok")),
     "label_then_close_off": ("<|channel>thought<channel|>ok", False, Reply("ok")),
     "doubled_open": ("<|channel><|channel>thought\nx<channel|>ok", True, Reply("ok", "x")),
-    "doubled_open_off": ("<|channel><|channel>thought\nx<channel|>ok", False, Reply("ok", "x")),
+    "doubled_open_off": ("<|channel><|channel>thought\nx<channel|>ok", False, Reply("ok")),
     "doubled_open_after_label": ("<|channel>thought\n<|channel>thought\nx<channel|>ok", True, Reply("ok", "x")),
     "stray_thought_close": ("<|channel>thought\nx<channel|>a<channel|>b", True, Reply("ab", "x")),
+    "stray_close_without_opener": ("Some text<channel|> more", True, Reply("Some text more")),
+    "stray_close_before_call": ("<|channel>thought\n<channel|>I will check.<channel|>" + CALL_TEXT, True,
+                                Reply("I will check.", None, [WEATHER_CALL])),
+    "multiple_thoughts": ("<|channel>first thought<channel|><|channel>second thought<channel|>Final answer.", True,
+                          Reply("Final answer.", "first thoughtsecond thought")),
+    "thought_only": ("<|channel>just thinking<channel|>", True, Reply(None, "just thinking")),
+    "thought_label_diverges": ("<|channel>thousand reasons<channel|>Done", True, Reply("Done", "thousand reasons")),
+    "text_around_thought": ("Before\n<|channel>a reasoning section<channel|>\nthe rest", True,
+                            Reply("Before\n\nthe rest", "a reasoning section")),
+    "thought_cut_by_call": ("<|channel>thought\nneed weather" + CALL_TEXT, True, Reply(None, "need weather", [WEATHER_CALL])),
+    "thought_cut_by_call_off": ("<|channel>thought\nneed weather" + CALL_TEXT, False, Reply(None, None, [WEATHER_CALL])),
+    "stray_call_close_in_thought": ("<|channel>thought\na<tool_call|>b<channel|>ok", True, Reply("ok", "ab")),
+    "dangling_open_after_call": (CALL_TEXT + "<|channel> ", True, Reply(None, None, [WEATHER_CALL])),
+    # The bare label `thought` opening the reply: a thought block without its `<|channel>` once
+    # `<channel|>` or a call ends it, else a spurious label before the answer.
+    **{f"bare_label_{name}{'_on' if thinking else '_off'}": (text, thinking, expected(thinking))
+       for name, (text, expected) in {
+        "then_close": ("thought\n<channel|>The answer.", lambda on: Reply("The answer.")),
+        "directly_closed": ("thought<channel|>The answer.", lambda on: Reply("The answer.")),
+        "thought": (" thought\nweigh it\n<channel|>The answer.", lambda on: Reply("The answer.", "weigh it" if on else None)),
+        "then_call": ("thought\nneed weather" + CALL_TEXT, lambda on: Reply(None, "need weather" if on else None,
+                                                                             [WEATHER_CALL])),
+        "closed_then_call": ("thought\nneed weather<channel|>" + CALL_TEXT,
+                             lambda on: Reply(None, "need weather" if on else None, [WEATHER_CALL])),
+        "spurious": ("thought\nThe answer is 42.<turn|>", lambda on: Reply("The answer is 42.")),
+        "word_not_label": ("thought about it, and no.", lambda on: Reply("thought about it, and no.")),
+        "longer_word": ("thoughtful answer", lambda on: Reply("thoughtful answer")),
+        "cut_short": ("thoug", lambda on: Reply("thoug")),
+    }.items() for thinking in (False, True)},
     "tool_call": (CALL_TEXT + "<|tool_response>", False, Reply(None, None, [WEATHER_CALL])),
     "extra_call_close": (CALL_TEXT + "<tool_call|>", False, Reply(None, None, [WEATHER_CALL])),
     "extra_call_close_then_text": (CALL_TEXT + "\n<tool_call|> Done.", False, Reply("Done.", None, [WEATHER_CALL])),
@@ -348,8 +378,8 @@ REPLIES = {
     "cut_by_next_call": ("<|tool_call>call:f{a:<|tool_call>call:g{}<tool_call|>", False,
                          Reply(tool_calls=[{"name": "g", "arguments": {}}],
                                invalid_tool_calls=[_invalid("f", "{a:", UNFINISHED)])),
-    "text_around_malformed": (f"x<|tool_call>call:f{{a:{D}oops<tool_call|> y", False,
-                              Reply("x y", invalid_tool_calls=[_invalid("f", f"{{a:{D}oops", "unterminated string")])),
+    "text_around_malformed": ("x<|tool_call>call:f{a 1}<tool_call|> y", False,
+                              Reply("x y", invalid_tool_calls=[_invalid("f", "{a 1}", "expected ':' at 10")])),
     # Slips the model makes in a call it ended itself are repaired; a call cut off is not guessed at.
     **{f"repaired_{name}": (f"<|tool_call>{body}{end}", False, Reply(None, None, [{"name": "f", "arguments": args}]))
        for name, (body, end, args) in {
@@ -366,6 +396,81 @@ REPLIES = {
         "apostrophe_inside": ("q:'it's, he said', n:1", {"q": "it's, he said", "n": 1}),
         "in_an_array": (f"a:[ 'x' , 'y'{D} ]", {"a": ["x", "y"]}),
     }.items()},
+    # Calls as upstream parsers' tests write them (ollama's gemma4_test.go, vLLM's Gemma 4 tool parser tests).
+    **{f"call_{name}": (f"<|tool_call>{body}<tool_call|>", False, Reply(None, None, [call]))
+       for name, (body, call) in {
+        "multiline_string": (f"call:bash{{command:{D}date\n{D}}}", {"name": "bash", "arguments": {"command": "date\n"}}),
+        "escaped_quotes_verbatim": (rf'call:search{{query:{D}say \"hello\"{D}}}',
+                                    {"name": "search", "arguments": {"query": r'say \"hello\"'}}),
+        "quotes_and_commas": (f'call:search{{query:{D}say "hello", then "goodbye"{D}}}',
+                              {"name": "search", "arguments": {"query": 'say "hello", then "goodbye"'}}),
+        "quoted_url": (f'call:exec{{command:{D}fetch "https://ollama.com/library/gemma4" --extract{D}}}',
+                       {"name": "exec", "arguments": {"command": 'fetch "https://ollama.com/library/gemma4" --extract'}}),
+        "json_and_delimited": (rf'call:search{{query:"raw \"quoted\"",note:{D}gemma "quoted"{D}}}',
+                               {"name": "search", "arguments": {"query": 'raw "quoted"', "note": 'gemma "quoted"'}}),
+        "json_string_with_key_like_text": (f'call:f{{q:"keep , oldText: literal",note:{D}ok{D}}}',
+                                           {"name": "f", "arguments": {"q": "keep , oldText: literal", "note": "ok"}}),
+        "objects_in_array": (rf'call:plan{{steps:[{{title:{D}step "one"{D},done:false}},'
+                             rf'{{title:{D}step \"two\"{D},done:true}}]}}',
+                             {"name": "plan", "arguments": {"steps": [{"title": 'step "one"', "done": False},
+                                                                      {"title": r'step \"two\"', "done": True}]}}),
+        "multiline_edits": (f"call:edit{{edits:[\n  {{newText:{D}# Guide\n\nUse \"nvfp4\".\n{D},\n"
+                            f"   oldText:{D}# Guide\n{D}}},\n  {{newText:{D}## 14\n{D}, oldText:{D}## 13\n{D}}}\n]}}",
+                            {"name": "edit", "arguments": {"edits": [
+                                {"newText": '# Guide\n\nUse "nvfp4".\n', "oldText": "# Guide\n"},
+                                {"newText": "## 14\n", "oldText": "## 13\n"}]}}),
+        "backslashes_verbatim": (rf"call:open_file{{path:{D}C:\users\bob\file.txt{D},url:{D}https:\/\/a.b\/c{D},"
+                                 rf"s:{D}snowman:\u2603 \x{D}}}",
+                                 {"name": "open_file", "arguments": {"path": r"C:\users\bob\file.txt",
+                                                                     "url": r"https:\/\/a.b\/c", "s": r"snowman:\u2603 \x"}}),
+        "structural_text_in_strings": (f"call:f{{query:{D}a,b:{{c}}[d]{D},q:\"a,b:c\"}}",
+                                       {"name": "f", "arguments": {"query": "a,b:{c}[d]", "q": "a,b:c"}}),
+        "nested_nulls": ("call:set_optional{value:null,nested:{value:null}}",
+                         {"name": "set_optional", "arguments": {"value": None, "nested": {"value": None}}}),
+        "quoted_scalars_stay_strings": (f"call:foo{{n:{D}1{D},b:{D}true{D},z:{D}null{D}}}",
+                                        {"name": "foo", "arguments": {"n": "1", "b": "true", "z": "null"}}),
+        "reference_example": (f"call:get_current_temperature{{detail_level:0,location:{D}Paris, France{D},"
+                              f"unit:{D}celsius{D}}}",
+                              {"name": "get_current_temperature",
+                               "arguments": {"detail_level": 0, "location": "Paris, France", "unit": "celsius"}}),
+        "hyphenated_name": (f"call:get-weather{{location:{D}London{D}}}",
+                            {"name": "get-weather", "arguments": {"location": "London"}}),
+        "dotted_name": (f"call:weather.get{{location:{D}London{D}}}",
+                        {"name": "weather.get", "arguments": {"location": "London"}}),
+        "delimited_keys_nested": (f"call:f{{outer:{{inner:{{{D}3{D}:{D}new text{D}}}}}}}",
+                                  {"name": "f", "arguments": {"outer": {"inner": {"3": "new text"}}}}),
+        "number_ending_in_a_point": ("call:f{left:108.,right:22.8}", {"name": "f", "arguments": {"left": 108.0, "right": 22.8}}),
+        "bracket_in_array_string": (f"call:f{{a:[[{D}a]b{D},{D}c{D}],{D}tail{D}]}}",
+                                    {"name": "f", "arguments": {"a": [["a]b", "c"], "tail"]}}),
+        "html_in_string": (f'call:write_file{{path:{D}index.html{D},content:{D}<!DOCTYPE html>\n<html lang="zh-CN">\n'
+                           f'<head>\n    <meta charset="UTF-8">\n{D}}}',
+                           {"name": "write_file", "arguments": {"path": "index.html", "content":
+                               '<!DOCTYPE html>\n<html lang="zh-CN">\n<head>\n    <meta charset="UTF-8">\n'}}),
+        "colon_before_call": (f":call:bash{{command:{D}pytest{D}}}", {"name": "bash", "arguments": {"command": "pytest"}}),
+        # Repairs of a call the model closed (ollama's TestRepairGemma4* and issue 15315 cases).
+        "unclosed_string_and_object": (f"call:bash{{command:{D}ls", {"name": "bash", "arguments": {"command": "ls"}}),
+        "unclosed_string_after_others": (f"call:bash{{path:{D}/tmp{D},command:{D}ls}}",
+                                         {"name": "bash", "arguments": {"path": "/tmp", "command": "ls"}}),
+        "single_quoted_between": (f"call:grep{{include:{D}*.py{D},pattern:'abc',path:{D}/tmp{D}}}",
+                                  {"name": "grep", "arguments": {"include": "*.py", "pattern": "abc", "path": "/tmp"}}),
+        "single_quoted_issue_15315": (f"call:grep{{include:{D}*.py{D},output_mode:{D}content{D},"
+                                      f"path:{D}/data/robotics/experiment1{D},pattern:':\\s*\\w+'{D}}}",
+                                      {"name": "grep", "arguments": {"include": "*.py", "output_mode": "content",
+                                                                     "path": "/data/robotics/experiment1",
+                                                                     "pattern": r":\s*\w+"}}),
+    }.items()},
+    "call_without_close_at_the_end": (f'<|tool_call>call:search{{query:{D}say "hello" and "bye"{D}}}', False,
+                                      Reply(None, None, [{"name": "search",
+                                                          "arguments": {"query": 'say "hello" and "bye"'}}])),
+    "call_closed_by_turn_end": (f"<|tool_call>call:gdb{{args:{D}-batch -ex run /tmp/poc{D}}}<turn|>", False,
+                                Reply(None, None, [{"name": "gdb", "arguments": {"args": "-batch -ex run /tmp/poc"}}])),
+    "markup_like_text_after_call": (CALL_TEXT + "<div>", False, Reply("<div>", None, [WEATHER_CALL])),
+    "only_the_call_open": ("<|tool_call>", False, Reply(invalid_tool_calls=[_invalid("", "", UNFINISHED)])),
+    "empty_reply": ("", True, Reply()),
+    "empty_thought_only": ("<|channel>thought\n<channel|>", True, Reply()),
+    "multiline_thought": ("<|channel>This\nThat<channel|>This is the rest\nThat", True,
+                          Reply("This is the rest\nThat", "This\nThat")),
+    "sentinels_after_answer": ("final answer <eos> <turn|>", False, Reply("final answer")),
     "unclosed_string_cut": (f"<|tool_call>call:f{{a:{D}x{{}}", False,
                             Reply(invalid_tool_calls=[_invalid("f", f"{{a:{D}x{{}}", UNFINISHED)])),
     **{f"malformed_{name}": (f"<|tool_call>{body}<tool_call|>", False,
@@ -379,6 +484,10 @@ REPLIES = {
                                   "expected '}' at 25"),
         "missing_comma": ("call:f{a:1 b:2}", "f", "{a:1 b:2}", "unexpected '1 b:2' at 14"),
         "bad_escape": ('call:f{a:"\\q"}', "f", '{a:"\\q"}', "Invalid \\escape: line 1 column 2 (char 1)"),
+        "json_string_bad_escape": (r'call:open_file{path:"C:\users\bob"}', "open_file", r'{path:"C:\users\bob"}',
+                                   "Invalid \\uXXXX escape: line 1 column 5 (char 4)"),
+        "unclosed_string_in_a_nested_object": (f"call:f{{a:{{b:{D}x", "f", f"{{a:{{b:{D}x", "unterminated string"),
+        "empty_value": ("call:f{key:}", "f", "{key:}", "unexpected '' at 11"),
         "too_deep": ("call:f{a:" + "[" * 3000 + "]" * 3000 + "}", "f", "{a:" + "[" * 3000 + "]" * 3000 + "}",
                      "its values are nested too deeply"),
     }.items()},
@@ -393,9 +502,17 @@ def test_parse_reply(name):
     assert reply == expected
 
 
-def _stream(chunks, thinking):
+def _chunkings(text: str, seed: str) -> list[list[str]]:
+    """Ways to cut a reply into deltas: characters, pieces of 2, 3 and 7 characters, random cuts, whole."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 5))) if len(text) > 1 else []
+    sized = [[text[i:i + size] for i in range(0, len(text), size)] for size in (1, 2, 3, 7)]
+    return [*sized, [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])], [text]]
+
+
+def _stream(chunks, thinking, tools=None):
     """Feed chunks; returns (reply, concatenated content deltas, reasoning deltas, streamed calls)."""
-    stream = ReplyStream(thinking)
+    stream = ReplyStream(thinking, tools)
     events = [event for chunk in chunks for event in stream.feed(chunk)] + stream.flush()
     text = {kind: "".join(e.text for e in events if e.kind == kind) for kind in ("content", "reasoning")}
     calls = {kind: [e.tool_call for e in events if e.kind == kind] for kind in ("tool_call", "invalid_tool_call")}
@@ -405,10 +522,7 @@ def _stream(chunks, thinking):
 @pytest.mark.parametrize("name", REPLIES)
 def test_stream_matches_parse_reply(name):
     text, thinking, expected = REPLIES[name]
-    rng = random.Random(name)
-    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 5))) if len(text) > 1 else []
-    random_chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-    for chunks in (list(text), random_chunks, [text]):
+    for chunks in _chunkings(text, name):
         reply, content, reasoning, calls, invalid_calls = _stream(chunks, thinking)
         assert reply == expected
         streamed = (content or None, reasoning or None, calls, invalid_calls)
@@ -425,15 +539,30 @@ def test_stream_holds_partial_markers():
     assert stream.finish() == Reply("Hello", None, [{"name": "f", "arguments": {"a": 1}}])
 
 
-def test_stream_reasoning_is_live_only_when_thinking():
+def test_stream_reasoning_is_live_when_thinking_and_dropped_when_not():
     live = ReplyStream(thinking=True)
     assert [(e.kind, e.text) for e in live.feed("<|channel>thought\nStep one. ")] == [("reasoning", "Step one.")]
     events = live.feed("Step two.<channel|>A")
     assert [(e.kind, e.text) for e in events] == [("reasoning", " Step two."), ("content", "A")]
-    held = ReplyStream(thinking=False)
-    assert held.feed("<|channel>thought\nStep one. ") == []
-    assert [(e.kind, e.text) for e in held.feed("Step two.<channel|>A")] == [("reasoning", "Step one. Step two."),
-                                                                           ("content", "A")]
+    off = ReplyStream(thinking=False)
+    assert off.feed("<|channel>thought\nStep one. ") == []
+    assert [(e.kind, e.text) for e in off.feed("Step two.<channel|>A")] == [("content", "A")]
+
+
+def test_stream_holds_a_bare_label_until_it_is_known():
+    """A reply opening with the bare label streams nothing until `<channel|>` shows it was a thought
+    block (one reasoning delta) or the reply ends without one (the rest is content)."""
+    for thinking in (True, False):
+        closed = ReplyStream(thinking)
+        assert closed.feed("thought\nStep one. ") == [] and closed.feed("Step two.") == []
+        expected = [("reasoning", "Step one. Step two.")] if thinking else []
+        assert [(e.kind, e.text) for e in closed.feed("<channel|>A")] == [*expected, ("content", "A")]
+        spurious = ReplyStream(thinking)
+        assert spurious.feed("thought\nThe answer") == []
+        assert [(e.kind, e.text) for e in spurious.flush()] == [("content", "The answer")]
+    plain = ReplyStream(thinking=True)
+    assert plain.feed("though") == []
+    assert [(e.kind, e.text) for e in plain.feed("t it was")] == [("content", "thought it was")]
 
 
 def test_stream_prompt_prefix():
@@ -483,11 +612,11 @@ SCHEMA_REPLIES = {
 def test_schema_gated_repairs(name):
     text, expected = SCHEMA_REPLIES[name]
     assert parse_reply(text, tools=[WRITE_TOOL]) == expected
-    for chunks in (list(text), [text[:len(text) // 2], text[len(text) // 2:]]):
-        stream = ReplyStream(tools=[WRITE_TOOL])
-        events = [event for chunk in chunks for event in stream.feed(chunk)] + stream.flush()
-        assert stream.finish() == expected
-        assert [e.tool_call for e in events if e.kind == "tool_call"] == expected.tool_calls
+    for chunks in _chunkings(text, name):
+        reply, content, _, calls, invalid_calls = _stream(chunks, False, [WRITE_TOOL])
+        assert reply == expected
+        assert (content or None, calls, invalid_calls) == (expected.content, expected.tool_calls,
+                                                          expected.invalid_tool_calls)
 
 
 def test_raw_strings_need_the_schema():

@@ -309,6 +309,21 @@ def test_thinking_is_returned_separately(scripted):
     assert all(not (d.model_extra or {}).get("reasoning_content") for d in deltas[first_content:])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_thought_block_is_dropped_when_thinking_is_off(scripted, stream):
+    engine = scripted.engine
+    engine.reply = "<|channel>thought\nThe user greets me.<channel|>Hello there!<turn|>"
+    resp = openai_client(scripted).chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+                                                           stream=stream)
+    if stream:
+        deltas = [c.choices[0].delta for c in resp if c.choices]
+        content = "".join(d.content or "" for d in deltas)
+        reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+    else:
+        content, reasoning = resp.choices[0].message.content, resp.choices[0].message.model_extra["reasoning_content"]
+    assert content == "Hello there!" and not reasoning
+
+
 def test_thinking_switches(scripted):
     client, engine = openai_client(scripted), scripted.engine
     engine.reply = "Hello there!<turn|>"

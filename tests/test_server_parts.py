@@ -90,6 +90,21 @@ def test_forced_call_after_an_open_thought_closes_it():
     assert prompt.reply_prefix == "<|channel>thought\n<channel|><|tool_call>call:"
 
 
+def test_json_after_an_open_thought_continues_it():
+    """After a tool result with thinking on, the template opens the thought channel: the JSON
+    reply's grammar starts inside it, and the parser reads what follows as that thought's end."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    req = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "Hi"},
+                     {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                           "function": {"name": "f", "arguments": "{}"}}]},
+                     {"role": "tool", "tool_call_id": "c1", "content": "ok"}],
+        "tools": [tool], "response_format": {"type": "json_object"}, "chat_template_kwargs": {"enable_thinking": True}})
+    prompt = build_chat_prompt(req)
+    assert prompt.text.endswith("<tool_response|><|channel>thought\n")
+    assert prompt.reply_prefix == prompt.grammar.prefix == "<|channel>thought\n"
+
+
 def test_tool_choice_needs_tools():
     with pytest.raises(APIError) as info:
         build_chat_prompt(_request(tool_choice="required"))

@@ -248,16 +248,40 @@ def test_call_grammar_follows_the_parser():
         assert not xgrammar.GrammarMatcher(compiled).accept_string(bad), bad
 
 
-@pytest.mark.parametrize("string", [{"type": "string"}, {"type": "string", "maxLength": 5}])
-def test_json_strings_never_hold_markup_or_control_characters(string):
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("string", [{"type": "string"}, {"type": "string", "maxLength": 5},
+                                    {"type": "string", "minLength": 1}, {"type": "string", "pattern": "^a"}])
+def test_json_strings_never_hold_markup_or_control_characters(string, thinking):
+    """With thinking on the grammar is compiled over a vocabulary that keeps line breaks and tabs
+    (a thought block holds them): the JSON's own rules must still keep them out of its strings."""
     grammars = grammars_for(tiny_tokenizer())
-    constraint: GrammarConstraint = grammars.json({"type": "object", "properties": {"a": string}})
+    constraint: GrammarConstraint = grammars.json({"type": "object", "properties": {"a": string}}, thinking)
     bitmasks = xgrammar.allocate_token_bitmask(1, grammars.vocab_size)
     for token in tiny_tokenizer().encode('{"a": "'):
         constraint.accept(token)
     constraint.fill(bitmasks, 0)
     allowed = lambda token: bool((bitmasks[0, token // 32] >> (token % 32)) & 1)  # noqa: E731
     markers = [tiny_tokenizer().token_to_id(t) for t in ("<turn|>", "<|tool_call>", "<|channel>", "<eos>")]
-    markers += [tiny_tokenizer().pieces().index(c) for c in ("\t", "\n")]
-    assert not any(allowed(t) for t in markers)
-    assert allowed(tiny_tokenizer().encode("hello")[0])
+    controls = [tiny_tokenizer().pieces().index(c) for c in ("\t", "\n", "<0x00>", "<0x1F>")]
+    assert not any(allowed(t) for t in markers + controls)
+    assert allowed(tiny_tokenizer().encode("a")[0])
+
+
+@pytest.mark.parametrize("prefix", ["", "<|channel>", "<|channel>thought\n"])
+def test_a_thought_block_may_come_before_json(prefix):
+    """With thinking on the reply may open with a thought block (line breaks and tabs in it), its
+    opening perhaps already in the prompt; the JSON follows and then only a stop token."""
+    from qat4.chat import Reply, parse_reply
+
+    tokenizer = tiny_tokenizer()
+    grammars = grammars_for(tokenizer)
+    constraint = grammars.json({"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}},
+                               thinking=True, prefix=prefix)
+    reply = '<|channel>thought\nweigh\tit\n<channel|>{"a": "x"}'.removeprefix(prefix)
+    for token in tokenizer.encode(reply):
+        constraint.accept(token)
+    bitmasks = xgrammar.allocate_token_bitmask(1, grammars.vocab_size)
+    constraint.fill(bitmasks, 0)
+    allowed = [t for t in range(grammars.vocab_size) if (bitmasks[0, t // 32] >> (t % 32)) & 1]
+    assert allowed == sorted(set(tokenizer.stop_ids))
+    assert parse_reply(prefix + reply, thinking=True) == Reply('{"a": "x"}', "weigh\tit")

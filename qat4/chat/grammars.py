@@ -13,11 +13,19 @@ by :func:`qat4.engine.sampler.mask_logits`.
 The vocabulary is given to xgrammar as raw bytes: `▁` is a space, `<0xNN>` the byte NN. Control
 tokens, unused ids and the chat template's markers are *special* (never part of grammar text), so a
 JSON string can never hold `<turn|>` or open a tool call. Three views of the vocabulary: "text"
-(GBNF grammars); "json", which also leaves out tokens holding a control character (JSON without
-whitespace never needs one raw, and xgrammar's rule for a string with `maxLength` lets them
-through); and "markup", in which `<|tool_call>`, `<tool_call|>`, `<|"|>`, `<|channel>` and
-`<channel|>` are their text, for grammars that need markers (tool calls, thinking before JSON). After a grammar is complete
-only the stop tokens (`<eos>`, `<turn|>`, `<|tool_response>`) may follow.
+(JSON without thinking, GBNF grammars); "markup", in which `<|tool_call>`, `<tool_call|>` and
+`<|"|>` are their text, for tool calls; and "thought", for JSON after a thought block, in which
+only `<|channel>` and `<channel|>` are text, each spelled behind a control character (`\\x01`).
+After a grammar is complete only the stop tokens (`<eos>`, `<turn|>`, `<|tool_response>`) may
+follow.
+
+A JSON string never holds a raw control character, whatever view its grammar is compiled over:
+xgrammar's rule for the characters of a string with `minLength` or `maxLength` lets everything
+but `"`, `\\` and line breaks through (a tab, a NUL, ...), and :func:`json_grammar` narrows it.
+That is also what keeps the thought channel's markers out of the JSON after a thought block: the
+"thought" view spells them with a control character first, so no JSON string can take them (as
+plain text, `<|channel>` would be a string's text like any other, and the reply's parser would
+read it as a thought block opening inside the answer).
 
 Compiled grammars are cached per tokenizer and grammar (xgrammar's compiled form is shared by every
 sequence that uses it); each sequence holds one :class:`GrammarConstraint`, dropped when it ends.
@@ -40,11 +48,16 @@ from qat4.chat.call_grammar import CallGrammar, literal
 from qat4.chat.markup import CALL_CLOSE, CALL_OPEN, STRING_DELIM, THOUGHT_CLOSE, THOUGHT_OPEN
 from qat4.errors import Qat4Error
 
-MARKERS = (CALL_OPEN, CALL_CLOSE, STRING_DELIM, THOUGHT_OPEN, THOUGHT_CLOSE)
+_CALL_MARKERS = (CALL_OPEN, CALL_CLOSE, STRING_DELIM)
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _UNUSED_TOKEN = re.compile(r"<unused\d+>")
 COMPILED_CACHE = 64  # compiled grammars kept per tokenizer, least recently used out first
-_THOUGHT = f"{literal(THOUGHT_OPEN)} ([^<] | \"<\" [^c])* {literal(THOUGHT_CLOSE)}"
+# The thought channel's markers in the "thought" view, and the optional thought block before JSON in it.
+_SPELLED = {marker: "\x01" + marker for marker in (THOUGHT_OPEN, THOUGHT_CLOSE)}
+_THOUGHT = f"{literal(_SPELLED[THOUGHT_OPEN])} ([^<\\x01] | \"<\" [^c\\x01])* {literal(_SPELLED[THOUGHT_CLOSE])}"
+# xgrammar's character class for the characters of a string with a length bound, and the one JSON allows
+_LENGTH_BOUNDED_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 
 
 class GrammarConstraint:
@@ -107,6 +120,9 @@ class Grammars:
         block may come first; ``prefix``: its opening the prompt holds. Raises ValueError for a
         schema xgrammar cannot compile."""
         text = json.dumps({"type": "object"} if schema is None else schema)  # property order is the order written
+        if thinking:
+            for marker, spelled in _SPELLED.items():
+                prefix = prefix.replace(marker, spelled)
         return GrammarConstraint(self.compiled("json_thinking" if thinking else "json", text), prefix=prefix)
 
     def gbnf(self, grammar: str) -> GrammarConstraint:
@@ -129,15 +145,21 @@ class Grammars:
         try:
             with self._lock:
                 if kind == "json":
-                    return self._compilers["json"].compile_json_schema(text, any_whitespace=False, strict_mode=True)
+                    return self._compilers["text"].compile_grammar(json_grammar(text))
                 if kind == "gbnf":
                     return self._compilers["text"].compile_grammar(text)
                 grammar = xgrammar.Grammar.from_ebnf(text) if kind == "ebnf" else xgrammar.Grammar.concat(
-                    xgrammar.Grammar.from_ebnf(f"root ::= ({_THOUGHT})?"),
-                    xgrammar.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True))
-                return self._compilers["markup"].compile_grammar(grammar)
+                    xgrammar.Grammar.from_ebnf(f"root ::= ({_THOUGHT})?"), json_grammar(text))
+                return self._compilers["markup" if kind == "ebnf" else "thought"].compile_grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from None
+
+
+def json_grammar(schema: str) -> xgrammar.Grammar:
+    """xgrammar's grammar of JSON matching ``schema`` (JSON Schema text), without whitespace, its
+    strings free of raw control characters (see the module docstring)."""
+    text = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
+    return xgrammar.Grammar.from_ebnf(text.replace(_LENGTH_BOUNDED_CHAR, _JSON_STRING_CHAR))
 
 
 _by_tokenizer: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -156,15 +178,16 @@ def grammars_for(tokenizer) -> Grammars:
 def _vocabularies(tokenizer) -> dict[str, list[bytes]]:
     """Each token's bytes, special tokens empty, in the three views of the module docstring."""
     added = tokenizer.added_tokens()
-    views: dict[str, list[bytes]] = {"text": [], "json": [], "markup": []}
+    views: dict[str, list[bytes]] = {"text": [], "markup": [], "thought": []}
     for i, piece in enumerate(tokenizer.pieces()):
         if i in added or _UNUSED_TOKEN.fullmatch(piece):
             text = b""
-            markup = piece.encode() if piece in MARKERS else b""
+            markup = piece.encode() if piece in _CALL_MARKERS else b""
+            thought = _SPELLED[piece].encode() if piece in _SPELLED else b""
         else:
             byte = _BYTE_TOKEN.fullmatch(piece)
-            text = markup = bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode()
+            text = markup = thought = bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode()
         views["text"].append(text)
-        views["json"].append(b"" if any(b < 0x20 for b in text) else text)
         views["markup"].append(markup)
+        views["thought"].append(thought)
     return views

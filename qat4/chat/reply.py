@@ -48,13 +48,17 @@ class ReplyEvent:
 def parse_reply(text: str, thinking: bool = False, tools: Sequence[Mapping[str, Any]] | None = None) -> Reply:
     """Split raw model output (special tokens kept as text) into content, reasoning and tool calls.
 
-    `thinking` says thinking was enabled: a thought block left unterminated is then reasoning
-    (otherwise it is content). A closed thought block is reasoning either way, not dropped: it stays
-    out of content, a client that does not read reasoning loses nothing by it, and one that does sees
-    what the tokens it is billed for said. Text from the first stop marker (`<turn|>`, `<|tool_response>`,
-    `<eos>`) on is ignored. A tool call that is cut off or does not parse is an invalid tool call.
-    `tools` (OpenAI function tools) lets the call parser repair by the parameters' schemas (see
-    :mod:`qat4.chat.tool_calls`).
+    `thinking` says thinking was enabled: a thought block (`<|channel>thought\\n...<channel|>`, or
+    left open at the end) is then reasoning; with thinking off it is dropped, as ollama does: it is
+    never content, and the client did not ask for reasoning. A thought block ends at `<channel|>`
+    or at a `<|tool_call>` the model opens inside it. Slips the model makes around thought blocks are
+    read as it meant them: a doubled `<|channel>`, a stray `<channel|>` or `<tool_call|>` (dropped),
+    and a reply that opens with the bare label `thought` and a line break (or `<channel|>`) but no
+    `<|channel>`: a thought block whose opening marker is missing once a `<channel|>` or a call
+    closes it, a spurious label before the answer (dropped, the rest content) if none does. Text
+    from the first stop marker (`<turn|>`, `<|tool_response>`, `<eos>`) on is ignored. A tool call
+    that is cut off or does not parse is an invalid tool call. `tools` (OpenAI function tools) lets
+    the call parser repair by the parameters' schemas (see :mod:`qat4.chat.tool_calls`).
     """
     stream = ReplyStream(thinking, tools)
     stream.feed(text)
@@ -70,13 +74,16 @@ class _State(enum.Enum):
     DONE = "done"
 
 
-# The markers that end the text of each state. Stray closing markers in content and a doubled
-# opener in a thought block are dropped.
+# The markers that end the text of each state. Stray closing markers and a doubled opener in a
+# thought block are dropped.
 _MARKERS = {
     _State.CONTENT: (THOUGHT_OPEN, CALL_OPEN, THOUGHT_CLOSE, CALL_CLOSE, *STOP_MARKERS),
-    _State.THOUGHT: (THOUGHT_OPEN, THOUGHT_CLOSE, *STOP_MARKERS),
+    _State.THOUGHT: (THOUGHT_OPEN, THOUGHT_CLOSE, CALL_OPEN, CALL_CLOSE, *STOP_MARKERS),
     _State.CALL: (CALL_CLOSE, CALL_OPEN, *STOP_MARKERS),
 }
+# How a reply opens a thought block whose `<|channel>` is missing: the bare label, then a line break
+# or the block's end.
+_BARE_OPENINGS = (THOUGHT_LABEL + "\n", THOUGHT_LABEL + THOUGHT_CLOSE)
 
 
 class ReplyStream:
@@ -85,10 +92,11 @@ class ReplyStream:
     Content and reasoning deltas carry no markup: text that could be the start of a marker is held
     back until the next delta decides it, and surrounding whitespace of each field is trimmed
     (trailing whitespace is held until more text follows). A tool call is emitted once its closing
-    marker arrives, an invalid one once it is known to be invalid. With thinking off, a thought
-    block is emitted as one reasoning delta when it closes. If the prompt ends inside an open
-    thought channel, feed that `<|channel>thought\\n` first. `finish()` returns the same Reply
-    `parse_reply` gives for the concatenated deltas.
+    marker arrives, an invalid one once it is known to be invalid. A reply that opens with the bare
+    `thought` label is held back until it is known whether that was a thought block (then one
+    reasoning delta) or not (content). If the prompt ends inside an open thought channel, feed that
+    `<|channel>thought\\n` first. `finish()` returns the same Reply `parse_reply` gives for the
+    concatenated deltas.
     """
 
     def __init__(self, thinking: bool = False, tools: Sequence[Mapping[str, Any]] | None = None):
@@ -98,8 +106,9 @@ class ReplyStream:
                             if isinstance(t, Mapping) and isinstance(t.get("function"), Mapping)}
         self._state = _State.CONTENT
         self._pending = ""
+        self._at_start = True
         self._label_pending = False
-        self._thought = ""
+        self._bare_thought: str | None = None  # the text of a thought block opened by its bare label
         self._call = ""
         self._content = _Field()
         self._reasoning = _Field()
@@ -134,6 +143,8 @@ class ReplyStream:
         """Handle the text up to the next marker; False when the rest must wait (or all is done)."""
         if self._label_pending and not self._drop_label(final):
             return False
+        if self._at_start and not self._read_opening(final):
+            return False
         markers = _MARKERS[self._state]
         index, marker = _first_marker(self._pending, markers)
         if marker is None:
@@ -159,27 +170,40 @@ class ReplyStream:
             self._pending = self._pending[len(THOUGHT_LABEL):]
         return True
 
+    def _read_opening(self, final: bool) -> bool:
+        """At the start of the reply: enter a thought block when it opens with a bare label (see
+        `parse_reply`); False while the text so far cannot tell."""
+        head = self._pending.lstrip()
+        if not final and any(opening.startswith(head) and opening != head for opening in _BARE_OPENINGS):
+            return False
+        self._at_start = False
+        if head.startswith(_BARE_OPENINGS):
+            self._pending = head[len(THOUGHT_LABEL):].removeprefix("\n")
+            self._state = _State.THOUGHT
+            self._bare_thought = ""
+        return True
+
     def _take(self, text: str) -> None:
         """Text between markers, attributed to the current state."""
         if self._state is _State.CONTENT:
             self._emit("content", self._content.push(text))
         elif self._state is _State.CALL:
             self._call += text
+        elif self._bare_thought is not None:
+            self._bare_thought += text
         elif self._thinking:
             self._emit("reasoning", self._reasoning.push(text))
-        else:
-            self._thought += text
 
     def _on_marker(self, marker: str) -> None:
         """Change state on a complete marker."""
         if marker in STOP_MARKERS:
             self._end(marker)
-        elif marker == THOUGHT_OPEN and self._state is _State.THOUGHT:
-            self._label_pending = True
         elif self._state is _State.THOUGHT:
-            self._emit("reasoning", self._reasoning.push(self._thought))
-            self._thought = ""
-            self._state = _State.CONTENT
+            if marker == THOUGHT_OPEN:
+                self._label_pending = True
+            elif marker != CALL_CLOSE:
+                self._end_thought()
+                self._state = _State.CALL if marker == CALL_OPEN else _State.CONTENT
         elif self._state is _State.CALL:
             self._end_call(marker)
             if marker == CALL_CLOSE:
@@ -190,12 +214,18 @@ class ReplyStream:
         elif marker == CALL_OPEN:
             self._state = _State.CALL
 
+    def _end_thought(self) -> None:
+        """A thought block closed: one its bare label opened is reasoning now that it is known to be one."""
+        if self._bare_thought is not None and self._thinking:
+            self._emit("reasoning", self._reasoning.push(self._bare_thought))
+        self._bare_thought = None
+
     def _end(self, marker: str | None) -> None:
-        """Stop `marker` or end of text (None): an open thought block (thinking off) becomes content, an
-        open call is tried."""
-        if self._state is _State.THOUGHT:
-            self._emit("content", self._content.push(self._thought))
-            self._thought = ""
+        """Stop `marker` or end of text (None): a thought block that only a bare label opened was not one (its
+        text is content), an open call is tried."""
+        if self._bare_thought is not None:
+            self._emit("content", self._content.push(self._bare_thought))
+            self._bare_thought = None
         elif self._state is _State.CALL:
             self._end_call(marker)
         self._state = _State.DONE

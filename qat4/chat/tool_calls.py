@@ -23,8 +23,18 @@ def parse_call(body: str, repair: bool = False, parameters: Mapping[str, Any] | 
 
 def call_name_and_arguments(body: str) -> dict[str, str]:
     """The name and the raw argument text of a call's body, `call:NAME{...`, however far it got."""
-    name, brace, arguments = body.strip().removeprefix(CALL_PREFIX).partition("{")
+    text = body.strip()
+    name, brace, arguments = text[_prefix_length(text):].partition("{")
     return {"name": name.strip(), "arguments": brace + arguments}
+
+
+def _prefix_length(text: str) -> int:
+    """Length of the `call:` that starts a call's body, with the stray `:` the model sometimes writes
+    before it (`<|tool_call>:call:NAME{...}`); 0 without one."""
+    for prefix in (":" + CALL_PREFIX, CALL_PREFIX):
+        if text.startswith(prefix):
+            return len(prefix)
+    return 0
 
 
 def failure_reason(exc: Exception) -> str:
@@ -48,7 +58,8 @@ _NAME_FORBIDDEN = frozenset('{}[],:"<>') | frozenset(" \t\r\n")
 
 
 class _CallParser:
-    """Recursive-descent parser of one call, `call:NAME{key:value,...}`.
+    """Recursive-descent parser of one call, `call:NAME{key:value,...}` (a stray `:` before `call:`
+    is skipped).
 
     Values are `<|"|>`-delimited strings (verbatim: `{}`, `,`, `"` and `:` are literal inside),
     JSON strings, numbers, true/false/null/None, `[...]` arrays and `{...}` objects whose keys are
@@ -57,7 +68,9 @@ class _CallParser:
     the string `text`, verbatim, its end the quote that a `,`, `}` or `]` follows.
 
     With `repair`, slips Gemma 4 is known to make are mended: a `<|"|>` string left open runs to the
-    call's final `}` (`{a:<|"|>hello}` is `{"a": "hello"}`); and where the function's schema (in
+    call's final `}` (`{a:<|"|>hello}` is `{"a": "hello"}`) or, when that is missing too, to the end
+    of the call, where the arguments close (`{a:<|"|>hello` is `{"a": "hello"}`; an object or list
+    inside them left open is not closed); and where the function's schema (in
     `parameters`, by function name) types a property as a string, a value written without any
     delimiter is that string, verbatim (commas, colons, line breaks and all), up to the next
     `,KEY:` of a property of the same object, or for the arguments' last property up to their final
@@ -71,11 +84,12 @@ class _CallParser:
         self._pos = 0
         self._repair = repair
         self._parameters = parameters or {}
+        self._ran_to_end = False  # a repaired value ran to the end of the text, its object's `}` missing
 
     def call(self) -> dict[str, Any]:
         """The whole body: name and argument object, nothing after it but whitespace."""
         self._skip_space()
-        self._accept(CALL_PREFIX)
+        self._pos += _prefix_length(self._text[self._pos:])
         name = self._until("{").strip()
         if not name or _NAME_FORBIDDEN.intersection(name):
             raise _Malformed(f"bad function name {name!r}")
@@ -113,12 +127,11 @@ class _CallParser:
             self._expect(":")
             sub = properties.get(key)
             raw = self._raw_string(properties, outermost) if self._repair and _is_string(sub) else None
-            if raw is not None:
-                result[key] = raw
-                if self._pos == len(self._text):  # the arguments' closing brace is missing too
-                    return result
-            else:
-                result[key] = self._value(sub)
+            result[key] = raw if raw is not None else self._value(sub)
+            if self._ran_to_end:  # only the arguments' own `}` may be missing
+                if not outermost:
+                    raise _Malformed("unterminated string")
+                return result
         return result
 
     def _raw_string(self, properties: Mapping[str, Any], outermost: bool) -> str | None:
@@ -140,6 +153,7 @@ class _CallParser:
         else:
             body = rest.rstrip()
             end = len(body) - 1 if body.endswith("}") else len(rest)
+            self._ran_to_end = end == len(rest)
         self._pos += end
         return rest[:end]
 
@@ -192,11 +206,15 @@ class _CallParser:
         if end >= 0:
             self._pos = end + len(STRING_DELIM)
             return self._text[start:end]
-        final_brace = len(self._text.rstrip()) - 1
-        if not self._repair or final_brace < start or self._text[final_brace] != "}":
+        if not self._repair:
             raise _Malformed("unterminated string")
-        self._pos = final_brace
-        return self._text[start:final_brace]
+        end = len(self._text.rstrip())
+        if self._text[start:end].endswith("}"):
+            end -= 1
+        else:
+            self._ran_to_end = True
+        self._pos = end
+        return self._text[start:end]
 
     def _single_quoted_string(self) -> str | None:
         """`'text'` (a `<|"|>` right after it dropped); None when no quote ends the value."""

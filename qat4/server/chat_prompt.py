@@ -13,7 +13,8 @@ How request options reach the model:
 - `response_format` `json_object` / `json_schema` adds an instruction to the system turn (with the
   schema, when given) and, when thinking is off and no tools are offered, appends `{` so the reply
   starts as a JSON object. The reply is constrained to JSON matching the schema (any object for
-  `json_object`), after a thought block when thinking is on; such a reply calls no tool unless
+  `json_object`), after a thought block when thinking is on (continuing the one the template opens
+  after a tool result); such a reply calls no tool unless
   `tool_choice` forces one, which then takes precedence.
 - Thinking is on with `chat_template_kwargs.enable_thinking` or any `reasoning_effort` but "none".
 
@@ -119,16 +120,17 @@ def build_chat_prompt(req: ChatCompletionRequest, template: str | None = None) -
         raise bad_request(str(exc), param="messages") from None
     if not forced and instruction and not thinking and not offer_tools:
         forced = "{"
-    grammar = _reply_grammar(req, tools, forced, thinking)
     opened = THOUGHT_OPEN if text.endswith(THOUGHT_OPEN) else ""
+    grammar = _reply_grammar(req, tools, forced, opened, thinking)
     if forced and opened:
         forced = THOUGHT_CLOSE + forced
     return ChatPrompt(text + forced, opened + forced, thinking, grammar)
 
 
-def _reply_grammar(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None, forced: str,
+def _reply_grammar(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None, forced: str, opened: str,
                    thinking: bool) -> ReplyGrammar | None:
-    """The constraint on the reply after the prompt's ``forced`` opening (module docstring)."""
+    """The constraint on the reply after the prompt's ``forced`` opening (module docstring); ``opened``
+    is the thought channel the template itself opened, which a JSON reply's thought block continues."""
     if forced.startswith(TOOL_CALL_OPEN):
         named = forced != TOOL_CALL_OPEN
         names = (req.tool_choice["function"]["name"],) if named else None
@@ -137,7 +139,7 @@ def _reply_grammar(req: ChatCompletionRequest, tools: list[dict[str, Any]] | Non
     fmt = req.response_format
     if fmt is not None and fmt.type != "text":
         schema = fmt.json_schema.schema_ if fmt.type == "json_schema" and fmt.json_schema else None
-        return ReplyGrammar("json", schema=schema, thinking=thinking, prefix=forced)
+        return ReplyGrammar("json", schema=schema, thinking=thinking, prefix=opened + forced)
     if tools:
         return ReplyGrammar("calls", tools=tuple(tools), start="open", parallel=req.parallel_tool_calls)
     return None
