@@ -27,7 +27,7 @@ from mcp_types import ToolAnnotations
 from pydantic import Field
 
 import qat4
-from qat4.bench_serve import error_message
+from qat4.bench_serve.driver import error_message
 from qat4.commands.status import server_status
 from qat4.commands.stop import DEFAULT_TIMEOUT_S
 from qat4.errors import Qat4Error

@@ -260,7 +260,7 @@ def test_encoding_piece_by_piece_with_the_cache_gives_the_whole_encode(json_toke
     encode of the whole text, the first time and from the cache."""
     import random
 
-    from qat4.bench_serve import WORDS
+    from qat4.bench_serve.workload import WORDS
 
     hf = json_tokenizer._hf
     assert json_tokenizer._pieces is not None

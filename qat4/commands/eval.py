@@ -112,7 +112,7 @@ def _log(task: str, line: str) -> None:
 @contextmanager
 def _serving(args: argparse.Namespace, task: str) -> Iterator[Any]:
     """The server the questions go to: --url as given, or a qat4 serve --model started for the run."""
-    from qat4.bench_serve import probe
+    from qat4.bench_serve.driver import probe
     from qat4.eval.client import Server
     from qat4.serve_process import HOST, ServerProcess, free_port, serve_command, split_server_args
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from qat4.bench_serve import CONNECT_TIMEOUT_S, error_message
+from qat4.bench_serve.driver import CONNECT_TIMEOUT_S, error_message
 
 
 @dataclass(frozen=True)
