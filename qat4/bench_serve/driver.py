@@ -4,7 +4,6 @@ level's requests through exactly `concurrency` clients, and the uncounted warm-u
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -12,12 +11,10 @@ from typing import Any
 
 import httpx
 
+from qat4.api_client import StreamError, astream_events, async_client, error_message
 from qat4.bench_serve.workload import ENDPOINTS, Prompt, Workload
-from qat4.errors import Qat4Error
 
 WARMUP_MAX_TOKENS = 4
-CONNECT_TIMEOUT_S = 30.0  # replies themselves have no time limit: at high concurrency they wait in the server's queue
-PROBE_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -43,16 +40,6 @@ class RequestResult:
         if self.ttft_s is None or self.output_tokens < 2:
             return None
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
-
-
-def error_message(body: bytes) -> str:
-    """The message of an OpenAI-style error body ({"error": {"message"}} or vLLM's {"message"}), else the text."""
-    try:
-        data = json.loads(body)
-        error = data.get("error", data)
-        return str(error["message"] if isinstance(error, dict) else error)
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return body.decode(errors="replace").strip()[:300] or "no details"
 
 
 def _has_text(event: dict[str, Any]) -> bool:
@@ -81,18 +68,7 @@ async def send_request(client: httpx.AsyncClient, workload: Workload, prompt: Pr
         async with client.stream("POST", ENDPOINTS[workload.endpoint], json=workload.body(prompt, max_tokens)) as reply:
             if reply.status_code != 200:
                 return failed(f"HTTP {reply.status_code}: {error_message(await reply.aread())}")
-            async for line in reply.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                try:
-                    event = json.loads(data)
-                except ValueError:
-                    return failed(f"the server sent an event that is not JSON: {data[:80]!r}")
-                if "error" in event:
-                    return failed(f"error event mid-reply: {error_message(data.encode())}")
+            async for event in astream_events(reply.aiter_lines()):
                 if isinstance(event.get("usage"), dict):
                     usage = event["usage"]
                 for choice in event.get("choices") or []:
@@ -104,6 +80,8 @@ async def send_request(client: httpx.AsyncClient, workload: Workload, prompt: Pr
                     else:
                         gaps.append(now - last)
                     last, chunks = now, chunks + 1
+    except StreamError as exc:
+        return failed(str(exc))
     except httpx.HTTPError as exc:
         return failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
     if first is None:
@@ -114,20 +92,13 @@ async def send_request(client: httpx.AsyncClient, workload: Workload, prompt: Pr
                          text="".join(text), cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
 
 
-def http_client(workload: Workload, connections: int) -> httpx.AsyncClient:
-    """A client of `connections` connections to the workload's server; replies have no time limit."""
-    return httpx.AsyncClient(base_url=workload.url, headers=workload.headers,
-                             timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None, write=None, pool=None),
-                             limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
-
-
 async def run_level(workload: Workload, prompts: Sequence[Prompt], concurrency: int,
                     on_result: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:
     """Send `prompts` through exactly `concurrency` clients; the results in prompt order, and the wall time."""
     results: list[RequestResult | None] = [None] * len(prompts)
     queue = iter(enumerate(prompts))  # shared by the clients: each takes the next prompt when free
 
-    async with http_client(workload, concurrency) as client:
+    async with async_client(workload.url, workload.api_key, concurrency) as client:
         async def one_client() -> None:
             for i, prompt in queue:
                 results[i] = await send_request(client, workload, prompt, workload.output_len)
@@ -141,22 +112,5 @@ async def run_level(workload: Workload, prompts: Sequence[Prompt], concurrency: 
 
 async def warm_up(workload: Workload, prompt: Prompt) -> RequestResult:
     """One uncounted request of WARMUP_MAX_TOKENS, so first-use costs (compiling, caches) stay out of the figures."""
-    async with http_client(workload, 1) as client:
+    async with async_client(workload.url, workload.api_key, 1) as client:
         return await send_request(client, workload, prompt, min(workload.output_len, WARMUP_MAX_TOKENS))
-
-
-def probe(url: str, api_key: str | None = None) -> str | None:
-    """The first model id `url/v1/models` lists (None when it lists none or does not answer with JSON);
-    Qat4Error when nothing answers at `url` at all."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        reply = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers, timeout=PROBE_TIMEOUT_S)
-    except httpx.TransportError as exc:
-        raise Qat4Error(f"cannot reach {url}: {exc or type(exc).__name__}") from None
-    except httpx.InvalidURL as exc:
-        raise Qat4Error(f"cannot reach {url}: {exc}") from None
-    try:
-        return str(reply.json()["data"][0]["id"])
-    except (ValueError, KeyError, IndexError, TypeError):
-        return None
-

@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 
 import httpx
 
-from qat4.bench_serve.driver import RequestResult, http_client, send_request
+from qat4.api_client import async_client
+from qat4.bench_serve.driver import RequestResult, send_request
 from qat4.bench_serve.stats import summarize_ms
 from qat4.bench_serve.workload import PROMPT_IDS, WORDS, Workload
 
@@ -91,7 +92,7 @@ def run_multi_turn(workload: Workload, turns: int, sessions: int, turn_len: int,
                 counted("new tokens only", new_only[s][t])
 
     async def phases() -> None:
-        async with http_client(workload, sessions) as client:
+        async with async_client(workload.url, workload.api_key, sessions) as client:
             for phase in (converse, replay, read_new):
                 await asyncio.gather(*(phase(client, s) for s in range(sessions)))
 

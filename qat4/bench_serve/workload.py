@@ -39,10 +39,6 @@ class Workload:
     temperature: float = 0.0
     api_key: str | None = None
 
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
     def prompts(self, count: int, rng: random.Random) -> list[Prompt]:
         """`count` random prompts: `input_len` token ids, or `input_len` words for chat."""
         if self.endpoint == "chat":

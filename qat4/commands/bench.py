@@ -263,7 +263,7 @@ def _log(line: str) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from qat4.bench_serve.driver import probe
+    from qat4.api_client import served_model
     from qat4.serve_process import HOST, ServerProcess, free_port, serve_command, split_server_args
 
     concurrencies = _int_list(args.concurrency, "--concurrency", 1, "numbers of clients of at least 1")
@@ -283,7 +283,7 @@ def run_serve(args: argparse.Namespace) -> int:
             raise Qat4Error("--server-args and --device set up the qat4 serve that the benchmark starts; "
                             "leave them out with --url")
         url = args.url.rstrip("/").removesuffix("/v1")  # an OpenAI client's base URL is fine too
-        served = probe(url, args.api_key)
+        served = served_model(url, args.api_key)
         return _measure(args, url, args.model or served, "external", [], concurrencies, compare)
     if not args.model:
         raise Qat4Error("qat4 bench serve needs --model to start a server, or --url of a running one")
@@ -295,7 +295,7 @@ def run_serve(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with ServerProcess(command, url, env=env):
         _log(f"the server answered after {time.perf_counter() - start:.1f} s")
-        served = probe(url, args.api_key)
+        served = served_model(url, args.api_key)
         return _measure(args, url, served, "qat4 serve, started by the benchmark", ["qat4", *command[3:]],
                         concurrencies, compare)
 

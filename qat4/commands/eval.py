@@ -112,7 +112,7 @@ def _log(task: str, line: str) -> None:
 @contextmanager
 def _serving(args: argparse.Namespace, task: str) -> Iterator[Any]:
     """The server the questions go to: --url as given, or a qat4 serve --model started for the run."""
-    from qat4.bench_serve.driver import probe
+    from qat4.api_client import served_model
     from qat4.eval.client import Server
     from qat4.serve_process import HOST, ServerProcess, free_port, serve_command, split_server_args
 
@@ -121,7 +121,7 @@ def _serving(args: argparse.Namespace, task: str) -> Iterator[Any]:
         if server_args or args.device:
             raise Qat4Error("--server-args and --device set up the qat4 serve that eval starts; leave them out with --url")
         url = args.url.rstrip("/").removesuffix("/v1")
-        served = probe(url, args.api_key)
+        served = served_model(url, args.api_key)
         yield Server(url, args.model or served, args.api_key)
         return
     if not args.model:
@@ -132,7 +132,7 @@ def _serving(args: argparse.Namespace, task: str) -> Iterator[Any]:
     env = {**os.environ, "QAT4_API_KEY": args.api_key} if args.api_key else None
     _log(task, f"starting qat4 serve --model {args.model} on {url}")
     with ServerProcess(command, url, env=env):
-        yield Server(url, probe(url, args.api_key), args.api_key)
+        yield Server(url, served_model(url, args.api_key), args.api_key)
 
 
 def _check_counts(args: argparse.Namespace) -> None:
