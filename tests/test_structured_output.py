@@ -197,7 +197,7 @@ def test_a_constraint_switched_on_mid_reply_drops_the_token_picked_without_it():
 
     engine = tiny_engine()
     first = engine.generate("Book it:", max_new_tokens=1, temperature=0).tokens[0]
-    compiled = grammars_for(engine.tokenizer).compiled("ebnf", CallGrammar([BOOKING]).text("open"))
+    compiled = grammars_for(engine.tokenizer, engine.stop_token_ids).compiled("ebnf", CallGrammar([BOOKING]).text("open"))
     seq = engine.add_request("Book it:", max_new_tokens=150, temperature=0,
                              constraint=GrammarConstraint(compiled, trigger=first))
     engine.drain()
@@ -213,8 +213,8 @@ def test_a_constraint_switched_on_mid_reply_drops_the_token_picked_without_it():
 def test_an_opened_call_is_constrained_then_the_reply_is_free_again_or_ends(parallel):
     """Auto mode: free until `<|tool_call>`, the call's grammar until `<tool_call|>`; then free
     again for more calls, or (parallel_tool_calls false) only a stop token."""
-    tokenizer = tiny_tokenizer()
-    grammars = grammars_for(tokenizer)
+    tokenizer, stops = tiny_tokenizer(), tiny_engine().stop_token_ids
+    grammars = grammars_for(tokenizer, stops)
     constraint = grammars.tool_calls([WEATHER], "open", parallel=parallel)
     for token in tokenizer.encode("Let me look."):
         constraint.accept(token)
@@ -228,7 +228,7 @@ def test_an_opened_call_is_constrained_then_the_reply_is_free_again_or_ends(para
         bitmasks = xgrammar.allocate_token_bitmask(1, grammars.vocab_size)
         constraint.fill(bitmasks, 0)
         allowed = [t for t in range(grammars.vocab_size) if (bitmasks[0, t // 32] >> (t % 32)) & 1]
-        assert allowed == sorted(set(tokenizer.stop_ids))
+        assert allowed == sorted(stops)
 
 
 def test_call_grammar_follows_the_parser():
@@ -250,7 +250,7 @@ def test_call_grammar_follows_the_parser():
 
 @pytest.mark.parametrize("string", [{"type": "string"}, {"type": "string", "maxLength": 5}])
 def test_json_strings_never_hold_markup_or_control_characters(string):
-    grammars = grammars_for(tiny_tokenizer())
+    grammars = grammars_for(tiny_tokenizer(), tiny_engine().stop_token_ids)
     constraint: GrammarConstraint = grammars.json({"type": "object", "properties": {"a": string}})
     bitmasks = xgrammar.allocate_token_bitmask(1, grammars.vocab_size)
     for token in tiny_tokenizer().encode('{"a": "'):

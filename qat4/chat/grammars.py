@@ -17,10 +17,12 @@ JSON string can never hold `<turn|>` or open a tool call. Three views of the voc
 whitespace never needs one raw, and xgrammar's rule for a string with `maxLength` lets them
 through); and "markup", in which `<|tool_call>`, `<tool_call|>`, `<|"|>`, `<|channel>` and
 `<channel|>` are their text, for grammars that need markers (tool calls, thinking before JSON). After a grammar is complete
-only the stop tokens (`<eos>`, `<turn|>`, `<|tool_response>`) may follow.
+only a stop token may follow: one of the ids the engine stops on, which come from the checkpoint
+(:attr:`qat4.engine.Engine.stop_token_ids`; for Gemma 4 `<eos>`, `<turn|>` and `<|tool_response>`).
 
-Compiled grammars are cached per tokenizer and grammar (xgrammar's compiled form is shared by every
-sequence that uses it); each sequence holds one :class:`GrammarConstraint`, dropped when it ends.
+Compiled grammars are cached per tokenizer, stop tokens and grammar (xgrammar's compiled form is
+shared by every sequence that uses it); each sequence holds one :class:`GrammarConstraint`,
+dropped when it ends.
 """
 
 from __future__ import annotations
@@ -85,13 +87,14 @@ class GrammarConstraint:
 
 
 class Grammars:
-    """Grammar compilation over one tokenizer's vocabulary, cached (:func:`grammars_for`)."""
+    """Grammar compilation over one tokenizer's vocabulary for generations that end on ``stop_ids``,
+    cached (:func:`grammars_for`)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stop_ids: Sequence[int]):
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.vocab_size
         self.call_open = tokenizer.token_to_id(CALL_OPEN)
-        stops = list(dict.fromkeys(tokenizer.stop_ids))
+        stops = list(dict.fromkeys(stop_ids))
         self._compilers = {
             view: xgrammar.GrammarCompiler(
                 xgrammar.TokenizerInfo(vocab, vocab_type=xgrammar.VocabType.RAW, vocab_size=self.vocab_size,
@@ -144,12 +147,15 @@ _by_tokenizer: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _by_tokenizer_lock = threading.Lock()
 
 
-def grammars_for(tokenizer) -> Grammars:
-    """The (cached) grammar compiler of a tokenizer; building one takes about a second."""
+def grammars_for(tokenizer, stop_ids: Sequence[int]) -> Grammars:
+    """The (cached) grammar compiler of a tokenizer whose generations end on ``stop_ids`` (the
+    engine's ``stop_token_ids``); building one takes about a second."""
+    stops = tuple(stop_ids)
     with _by_tokenizer_lock:
-        grammars = _by_tokenizer.get(tokenizer)
+        by_stops = _by_tokenizer.setdefault(tokenizer, {})
+        grammars = by_stops.get(stops)
         if grammars is None:
-            grammars = _by_tokenizer[tokenizer] = Grammars(tokenizer)
+            grammars = by_stops[stops] = Grammars(tokenizer, stops)
         return grammars
 
 
