@@ -255,7 +255,7 @@ def test_an_unreachable_url_is_one_line(capsys):
     (["--model", "m", "--compare", "llama.cpp=1"], "--compare takes NAME=CONCURRENCY:TOK_S"),
     (["--model", "m", "--server-args=--port 9000"], "--server-args must not set --host or --port"),
     (["--url", "http://127.0.0.1:9", "--server-args=--max-ctx 64"], "leave them out with --url"),
-    ([], "qat4 bench serve needs --model to start a server, or --url of a running one"),
+    ([], "qat4 bench serve needs --url of a running server, or --model to start one"),
 ])
 def test_bad_flags_are_one_line(args, message, capsys):
     assert main(["bench", "serve", *args]) == 1

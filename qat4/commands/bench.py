@@ -263,8 +263,7 @@ def _log(line: str) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from qat4.api_client import served_model
-    from qat4.serve_process import HOST, ServerProcess, free_port, serve_command, split_server_args
+    from qat4.serve_process import serving
 
     concurrencies = _int_list(args.concurrency, "--concurrency", 1, "numbers of clients of at least 1")
     if args.multi_turn is not None and (args.multi_turn < 1 or args.sessions < 1 or args.turn_len < 1):
@@ -277,27 +276,10 @@ def run_serve(args: argparse.Namespace) -> int:
         raise Qat4Error(f"--requests-per-level {args.requests_per_level} is fewer than the largest --concurrency "
                         f"{max(concurrencies)}; every client needs at least one request")
     compare = parse_compare(args.compare or [])
-    server_args = split_server_args(args.server_args, "qat4 bench serve")
-    if args.url:
-        if server_args or args.device:
-            raise Qat4Error("--server-args and --device set up the qat4 serve that the benchmark starts; "
-                            "leave them out with --url")
-        url = args.url.rstrip("/").removesuffix("/v1")  # an OpenAI client's base URL is fine too
-        served = served_model(url, args.api_key)
-        return _measure(args, url, args.model or served, "external", [], concurrencies, compare)
-    if not args.model:
-        raise Qat4Error("qat4 bench serve needs --model to start a server, or --url of a running one")
-    port = free_port()
-    url = f"http://{HOST}:{port}"
-    command = serve_command(args.model, port, device=args.device, max_queue=max(concurrencies), extra_args=server_args)
-    env = {**os.environ, "QAT4_API_KEY": args.api_key} if args.api_key else None
-    _log(f"starting qat4 serve --model {args.model} on {url}")
-    start = time.perf_counter()
-    with ServerProcess(command, url, env=env):
-        _log(f"the server answered after {time.perf_counter() - start:.1f} s")
-        served = served_model(url, args.api_key)
-        return _measure(args, url, served, "qat4 serve, started by the benchmark", ["qat4", *command[3:]],
-                        concurrencies, compare)
+    with serving("qat4 bench serve", args.url, args.model, api_key=args.api_key, device=args.device,
+                 server_args=args.server_args, max_queue=max(concurrencies), log=_log) as served:
+        server = "qat4 serve, started by the benchmark" if served.command else "external"
+        return _measure(args, served.url, served.model, server, list(served.command), concurrencies, compare)
 
 
 def _measure(args: argparse.Namespace, url: str, model: str | None, server: str, server_command: list[str],
