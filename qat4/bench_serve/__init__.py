@@ -23,5 +23,6 @@ it, output tokens are the number of text chunks and prompt tokens `input_len`.
 The package, one job a module: `workload` (what each request asks for), `driver` (sending the
 requests and timing them), `stats` (percentiles), `levels` (the run by concurrency levels and its
 figures), `multi_turn` (`--multi-turn` conversations against the prompt cache) and `output` (the
-tables, the JSON and the plot). `qat4.commands.bench` parses the options and starts the server.
+tables, the JSON and the plot). `qat4.commands.bench` parses the options and gets the server from
+`qat4.serve_process.serving` (a running one, or a `qat4 serve` it starts); `qat4.api_client` talks to it.
 """
