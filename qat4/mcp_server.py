@@ -27,7 +27,7 @@ from mcp_types import ToolAnnotations
 from pydantic import Field
 
 import qat4
-from qat4.bench_serve import error_message
+from qat4.api_client import auth_headers, error_message
 from qat4.commands.status import server_status
 from qat4.commands.stop import DEFAULT_TIMEOUT_S
 from qat4.errors import Qat4Error
@@ -167,8 +167,7 @@ def chat(prompt: Annotated[str, Field(description="the user's message")], port: 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     body = {"messages": messages, "max_tokens": max_tokens, "stream": False,
             **({} if temperature is None else {"temperature": temperature})}
-    key = os.environ.get("QAT4_API_KEY")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = auth_headers(os.environ.get("QAT4_API_KEY"))
     try:
         response = httpx.post(f"{address}/v1/chat/completions", json=body, headers=headers, timeout=CHAT_TIMEOUT)
     except httpx.ConnectError:

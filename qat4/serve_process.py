@@ -2,8 +2,9 @@
 
 A server counts as ready once `GET /health` answers 200 as a qat4 server (with the child's own
 pid, when that is known). It is stopped with SIGTERM, which qat4 serve answers by ending its open
-replies within 5 s, and killed if it is still there after a grace period. `qat4 bench serve` runs one for the length of a benchmark (`ServerProcess`);
-`qat4 serve --detach` (qat4.server_control) starts one that outlives it.
+replies within 5 s, and killed if it is still there after a grace period. `qat4 bench serve` and
+`qat4 eval` run one for their length (`ServerProcess`), unless given the --url of a running server
+(:func:`serving`); `qat4 serve --detach` (qat4.server_control) starts one that outlives it.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import IO, Protocol
 
 import httpx
 
+from qat4.api_client import served_model
 from qat4.errors import Qat4Error
 
 HOST = "127.0.0.1"
@@ -183,3 +187,45 @@ class ServerProcess:
             terminate_then_kill(self.process, self.stop_grace_s)
         if self._output is not None:
             self._output.close()
+
+
+@dataclass(frozen=True)
+class Served:
+    """The server a client command talks to: its base URL (no /v1), the model name to send (None
+    leaves it out), and the `qat4 serve` command line when the command started it (else empty)."""
+
+    url: str
+    model: str | None
+    command: tuple[str, ...] = ()
+
+
+@contextmanager
+def serving(who: str, url: str | None, model: str | None, *, api_key: str | None, device: str | None,
+            server_args: str, max_queue: int, log: Callable[[str], None]) -> Iterator[Served]:
+    """The server `who` (the command, for messages: "qat4 eval gsm8k") talks to for the block.
+
+    With `url` (an OpenAI client's base URL ending in /v1 too), that server and `model`, else the
+    first model its /v1/models lists. Without, `qat4 serve --model model` on a free loopback port,
+    with `device`, `server_args`, `api_key` and `max_queue`, stopped after the block. `log`
+    follows the start.
+    """
+    extra_args = split_server_args(server_args, who)
+    if url:
+        if extra_args or device:
+            raise Qat4Error(f"--server-args and --device set up the qat4 serve that {who} starts; "
+                            "leave them out with --url")
+        url = url.rstrip("/").removesuffix("/v1")
+        served = served_model(url, api_key)  # also: Qat4Error when nothing answers there
+        yield Served(url, model or served)
+        return
+    if not model:
+        raise Qat4Error(f"{who} needs --url of a running server, or --model to start one")
+    port = free_port()
+    url = f"http://{HOST}:{port}"
+    command = serve_command(model, port, device=device, max_queue=max_queue, extra_args=extra_args)
+    env = {**os.environ, "QAT4_API_KEY": api_key} if api_key else None
+    log(f"starting qat4 serve --model {model} on {url}")
+    start = time.perf_counter()
+    with ServerProcess(command, url, env=env):
+        log(f"the server answered after {time.perf_counter() - start:.1f} s")
+        yield Served(url, served_model(url, api_key), ("qat4", *command[3:]))

@@ -37,7 +37,6 @@ from typing import Any, Protocol
 import tokenizers
 from tokenizers import AddedToken, decoders, models, normalizers, processors
 
-from qat4.chat.markup import RESPONSE_OPEN, TURN_CLOSE
 from qat4.errors import Qat4Error
 
 BOS = "<bos>"
@@ -100,11 +99,6 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included."""
         return self._hf.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def stop_ids(self) -> list[int]:
-        """Ids that end generation: `<eos>`, `<turn|>` and `<|tool_response>` (after a tool call)."""
-        return [self.eos_id, self.token_to_id(TURN_CLOSE), self.token_to_id(RESPONSE_OPEN)]
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in the text (`<|turn>`, ...) map to their ids."""

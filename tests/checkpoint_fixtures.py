@@ -22,7 +22,7 @@ from qat4.config import TINY
 VOCAB = 1024
 SMALL = TINY.replace(vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB)
 CONTROL = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>", 105: "<|turn>", 106: "<turn|>"}
-USER_DEFINED = {50: "<|tool_response>", 52: '<|"|>'}
+USER_DEFINED = {48: "<|tool_call>", 49: "<tool_call|>", 50: "<|tool_response>", 52: '<|"|>'}
 MERGES = [("▁", "t"), ("h", "e"), ("▁t", "he"), ("i", "n"), ("▁", "in")]
 CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}<|turn>{{ m['role'] }}\n{{ m['content'] }}<turn|>\n{% endfor %}"
 

@@ -16,9 +16,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from server_harness import LiveServer
 
-from qat4 import bench_serve
-from qat4.bench_serve import RequestResult, level_report, parse_compare, percentile, summarize_ms
+from qat4.bench_serve.driver import WARMUP_MAX_TOKENS, RequestResult
+from qat4.bench_serve.levels import level_report
+from qat4.bench_serve.stats import percentile, summarize_ms
 from qat4.cli import main
+from qat4.commands.bench import parse_compare
 from qat4.errors import Qat4Error
 from qat4.serve_process import free_port
 
@@ -191,7 +193,7 @@ def test_levels_against_a_fake_server(fake, tmp_path, capsys):
         assert level["itl_ms"]["p50"] > 0
     assert fake.peak_in_flight == 3
     warm, *counted = fake.bodies
-    assert warm["max_tokens"] == bench_serve.WARMUP_MAX_TOKENS and len(counted) == 12
+    assert warm["max_tokens"] == WARMUP_MAX_TOKENS and len(counted) == 12
     assert all(b["max_tokens"] == 5 and b["ignore_eos"] is True and b["stream"] is True and len(b["prompt"]) == 12
                and b["stream_options"] == {"include_usage": True} and b["model"] == "fake-model" for b in counted)
     assert len({tuple(b["prompt"]) for b in fake.bodies}) == len(fake.bodies)  # no two prompts share a cache
@@ -253,7 +255,7 @@ def test_an_unreachable_url_is_one_line(capsys):
     (["--model", "m", "--compare", "llama.cpp=1"], "--compare takes NAME=CONCURRENCY:TOK_S"),
     (["--model", "m", "--server-args=--port 9000"], "--server-args must not set --host or --port"),
     (["--url", "http://127.0.0.1:9", "--server-args=--max-ctx 64"], "leave them out with --url"),
-    ([], "qat4 bench serve needs --model to start a server, or --url of a running one"),
+    ([], "qat4 bench serve needs --url of a running server, or --model to start one"),
 ])
 def test_bad_flags_are_one_line(args, message, capsys):
     assert main(["bench", "serve", *args]) == 1

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter, TokenType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, TokenType, quants
 
 from checkpoint_fixtures import CHAT_TEMPLATE, CONTROL, SMALL, USER_DEFINED, small_aux, write_small
 from qat4.checkpoint.gguf.container import GGUFFile
@@ -264,16 +264,32 @@ def test_tokenizer_of_a_written_gguf_matches_llama_cpp_vocabulary(tmp_path):
         assert tokenizer.encode(text) == ids, text
 
 
-def test_a_gguf_whose_end_token_differs_stops_on_its_own(tmp_path):
-    """A GGUF's end tokens come from its metadata (eos, then <turn|> and <|tool_response> by name):
-    the engine, and the server through it, stop on those, not on Gemma 4's usual ids."""
+def test_a_gguf_whose_end_tokens_differ_stops_on_its_own(tmp_path, monkeypatch):
+    """A GGUF's end tokens come from its metadata (eos, eot, then <turn|> and <|tool_response> by
+    name): the engine, and the server through it, stop on those, not on Gemma 4's usual ids, and a
+    constrained reply may end on exactly those once its grammar is complete."""
+    import xgrammar
+
+    from qat4.checkpoint.gguf import writer
     from qat4.checkpoint.loader import load_packed
     from qat4.engine import Engine
 
+    eot = 900
+    plain = writer.tokenizer_metadata
+    monkeypatch.setattr(writer, "tokenizer_metadata", lambda *args: {
+        **plain(*args), "tokenizer.ggml.eot_token_id": (GGUFValueType.UINT32, eot)})
     path = tmp_path / "other-eos.gguf"
     write_gguf(path, SMALL.replace(eos_token_id=(7,)), synthetic_tensors(SMALL, 0), small_aux())
     engine = Engine.from_packed(load_packed(str(path)), "cpu", max_ctx=64)
-    assert engine.stop_token_ids == (7, 106, 50)
+    assert engine.stop_token_ids == (7, eot, 106, 50)
     seq = engine.add_request([2, 10, 11], 8)
-    assert seq.stop_ids == frozenset({7, 106, 50})
+    assert seq.stop_ids == frozenset({7, eot, 106, 50})
     engine.abort(seq)
+
+    constraint = engine.json_constraint({"type": "object"})
+    for token in engine.tokenizer.encode("{}"):
+        constraint.accept(token)
+    bitmasks = xgrammar.allocate_token_bitmask(1, SMALL.vocab_size)
+    constraint.fill(bitmasks, 0)
+    allowed = [t for t in range(SMALL.vocab_size) if (bitmasks[0, t // 32] >> (t % 32)) & 1]
+    assert allowed == sorted(engine.stop_token_ids)

@@ -18,6 +18,7 @@ from kernel_harness import INTERPRETED, KERNEL_DEVICE, kernel_test, run_interpre
 from qat4.checkpoint import packing
 from qat4.ops import pdl
 from qat4.ops.w4 import batch as wb
+from qat4.ops.w4 import batch_tiling as bt
 from qat4.ops.w4 import reference as wr
 
 # Relative Frobenius error allowed per x dtype. fp32: accumulation order only. 16-bit: each
@@ -161,21 +162,21 @@ def test_kernel_batch_argmax_ties_go_to_the_lowest_index():
 @pytest.mark.parametrize("m", [2, 16, 17, 64, 65, 128])
 def test_tiling_table_fills_an_h200_at_every_decode_shape(m):
     for n, k in DECODE_SHAPES:
-        tiling = wb.batch_tiling(n, k, m, sm_count=132)
-        assert set(tiling) == set(wb.TILING_KEYS)
+        tiling = bt.batch_tiling(n, k, m, sm_count=132)
+        assert set(tiling) == set(bt.TILING_KEYS)
         assert tiling["BLOCK_M"] >= min(m, 128) and tiling["BLOCK_M"] in (16, 32, 64, 128)
         assert 32 * tiling["BLOCK_G"] % 128 == 0  # BLOCK_K: 16-byte loads of words
-        assert wb._fits(n, m, tiling)
+        assert bt._fits(n, m, tiling)
         g = k // 32
         assert g % (tiling["BLOCK_G"] * tiling["SPLIT_K"]) == 0, (n, k, tiling)  # whole steps: the unmasked path
         programs = lambda split: -(-n // tiling["BLOCK_N"]) * -(-m // tiling["BLOCK_M"]) * split  # noqa: E731
-        per_sm = wb._programs_per_sm(tiling)
+        per_sm = bt._programs_per_sm(tiling)
         step = tiling["BLOCK_N"] * tiling["BLOCK_G"] * 18 * max(1, tiling["PREFETCH"])  # weight bytes of a step
         full = lambda split: programs(split) >= 132 and min(per_sm, programs(split) / 132) * step >= 32768  # noqa: E731
         rows_pad, m_pad = -(-n // tiling["BLOCK_N"]) * tiling["BLOCK_N"], -(-m // tiling["BLOCK_M"]) * tiling["BLOCK_M"]
         moved = n * k * 9 // 16 + rows_pad // tiling["BLOCK_N"] * m_pad * k * 2  # weights, and x per row block
         slots = per_sm * 132
-        one_wave = [s for s in wb._even_splits(g, tiling["BLOCK_G"]) if wb._fits(n, m, dict(tiling, SPLIT_K=s))
+        one_wave = [s for s in bt._even_splits(g, tiling["BLOCK_G"]) if bt._fits(n, m, dict(tiling, SPLIT_K=s))
                     and (s == 1 or 8 * s * rows_pad * m_pad <= 2 * moved) and programs(s) <= slots] or [1]
         # the smallest split of whole steps that keeps 32 KiB of weights in flight on every SM in
         # one wave, else the largest in one wave, counting only splits that fit the scratch with
@@ -183,27 +184,27 @@ def test_tiling_table_fills_an_h200_at_every_decode_shape(m):
         assert tiling["SPLIT_K"] == next((s for s in one_wave if full(s)), one_wave[-1]), (n, k, tiling)
         if n == 262144:
             assert tiling["SPLIT_K"] == 1  # the output layer: row blocks enough, and no partials
-        candidates = wb.batch_tiling_candidates(n, k, m, sm_count=132)
+        candidates = bt.batch_tiling_candidates(n, k, m, sm_count=132)
         assert candidates[0] == tiling and len(candidates) == len({tuple(sorted(c.items())) for c in candidates})
-        assert all(wb._fits(n, m, c) for c in candidates)
+        assert all(bt._fits(n, m, c) for c in candidates)
 
 
 def test_tiling_splits_the_long_down_projection():
     """1536 x 12288 at 16 rows: 24 row blocks alone would leave most of 132 SMs idle."""
-    tiling = wb.batch_tiling(1536, 12288, 16, sm_count=132)
+    tiling = bt.batch_tiling(1536, 12288, 16, sm_count=132)
     assert tiling["SPLIT_K"] > 1
     assert 1536 // tiling["BLOCK_N"] * tiling["SPLIT_K"] >= 2 * 132
 
 
 def test_config_pins_keys_and_bad_tilings_are_rejected():
-    pinned = wb._resolve({"BLOCK_N": 32, "SPLIT_K": 2}, 64, 256, 3, "cpu")
+    pinned = bt.resolve_tiling({"BLOCK_N": 32, "SPLIT_K": 2}, 64, 256, 3, "cpu")
     assert pinned["BLOCK_N"] == 32 and pinned["SPLIT_K"] == 2 and pinned["BLOCK_M"] == 16
     for bad in ({"BLOCK_G": 2}, {"BLOCK_N": 48}, {"BLOCK_M": 8}, {"PREFETCH": 3}, {"SPLIT_K": 0}, {"RR": 4},
                 {"num_stages": 0}):
         with pytest.raises(ValueError):
-            wb._resolve(bad, 64, 256, 3, "cpu")
+            bt.resolve_tiling(bad, 64, 256, 3, "cpu")
     with pytest.raises(ValueError, match="scratch"):
-        wb._resolve({"BLOCK_M": 128, "BLOCK_N": 256, "SPLIT_K": 16}, 262144, 1536, 128, "cpu")
+        bt.resolve_tiling({"BLOCK_M": 128, "BLOCK_N": 256, "SPLIT_K": 16}, 262144, 1536, 128, "cpu")
     x = torch.randn(2, 64)
     packed, scales = torch.zeros(48, 8, dtype=torch.int32), torch.ones(48, 2, dtype=torch.float16)
     with pytest.raises(ValueError, match="out must be"):

@@ -197,7 +197,7 @@ def test_a_constraint_switched_on_mid_reply_drops_the_token_picked_without_it():
 
     engine = tiny_engine()
     first = engine.generate("Book it:", max_new_tokens=1, temperature=0).tokens[0]
-    compiled = grammars_for(engine.tokenizer).compiled("ebnf", CallGrammar([BOOKING]).text("open"))
+    compiled = grammars_for(engine.tokenizer, engine.stop_token_ids).compiled("ebnf", CallGrammar([BOOKING]).text("open"))
     seq = engine.add_request("Book it:", max_new_tokens=150, temperature=0,
                              constraint=GrammarConstraint(compiled, trigger=first))
     engine.drain()
@@ -213,8 +213,8 @@ def test_a_constraint_switched_on_mid_reply_drops_the_token_picked_without_it():
 def test_an_opened_call_is_constrained_then_the_reply_is_free_again_or_ends(parallel):
     """Auto mode: free until `<|tool_call>`, the call's grammar until `<tool_call|>`; then free
     again for more calls, or (parallel_tool_calls false) only a stop token."""
-    tokenizer = tiny_tokenizer()
-    grammars = grammars_for(tokenizer)
+    tokenizer, stops = tiny_tokenizer(), tiny_engine().stop_token_ids
+    grammars = grammars_for(tokenizer, stops)
     constraint = grammars.tool_calls([WEATHER], "open", parallel=parallel)
     for token in tokenizer.encode("Let me look."):
         constraint.accept(token)
@@ -228,7 +228,7 @@ def test_an_opened_call_is_constrained_then_the_reply_is_free_again_or_ends(para
         bitmasks = xgrammar.allocate_token_bitmask(1, grammars.vocab_size)
         constraint.fill(bitmasks, 0)
         allowed = [t for t in range(grammars.vocab_size) if (bitmasks[0, t // 32] >> (t % 32)) & 1]
-        assert allowed == sorted(set(tokenizer.stop_ids))
+        assert allowed == sorted(stops)
 
 
 def test_call_grammar_follows_the_parser():
@@ -254,7 +254,7 @@ def test_call_grammar_follows_the_parser():
 def test_json_strings_never_hold_markup_or_control_characters(string, thinking):
     """With thinking on the grammar is compiled over a vocabulary that keeps line breaks and tabs
     (a thought block holds them): the JSON's own rules must still keep them out of its strings."""
-    grammars = grammars_for(tiny_tokenizer())
+    grammars = grammars_for(tiny_tokenizer(), tiny_engine().stop_token_ids)
     constraint: GrammarConstraint = grammars.json({"type": "object", "properties": {"a": string}}, thinking)
     bitmasks = xgrammar.allocate_token_bitmask(1, grammars.vocab_size)
     for token in tiny_tokenizer().encode('{"a": "'):
@@ -273,8 +273,8 @@ def test_a_thought_block_may_come_before_json(prefix):
     opening perhaps already in the prompt; the JSON follows and then only a stop token."""
     from qat4.chat import Reply, parse_reply
 
-    tokenizer = tiny_tokenizer()
-    grammars = grammars_for(tokenizer)
+    tokenizer, stops = tiny_tokenizer(), tiny_engine().stop_token_ids
+    grammars = grammars_for(tokenizer, stops)
     constraint = grammars.json({"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}},
                                thinking=True, prefix=prefix)
     reply = '<|channel>thought\nweigh\tit\n<channel|>{"a": "x"}'.removeprefix(prefix)
@@ -283,5 +283,5 @@ def test_a_thought_block_may_come_before_json(prefix):
     bitmasks = xgrammar.allocate_token_bitmask(1, grammars.vocab_size)
     constraint.fill(bitmasks, 0)
     allowed = [t for t in range(grammars.vocab_size) if (bitmasks[0, t // 32] >> (t % 32)) & 1]
-    assert allowed == sorted(set(tokenizer.stop_ids))
+    assert allowed == sorted(set(stops))
     assert parse_reply(prefix + reply, thinking=True) == Reply('{"a": "x"}', "weigh\tit")

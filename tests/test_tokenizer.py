@@ -68,7 +68,7 @@ def test_round_trip(tokenizer):
 
 def test_special_ids_and_sizes(tokenizer):
     assert {token: tokenizer.token_to_id(token) for token in SPECIAL_IDS} == SPECIAL_IDS
-    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.stop_ids) == (2, 1, [1, 106, 50])
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (2, 1)
     assert tokenizer.vocab_size == 262144
 
 
@@ -209,7 +209,7 @@ def _check_tiny(tok: Tokenizer) -> None:
     assert tok.encode('c<|"|>') == [12 + ord("c"), 6]
     assert tok.decode([9, 11, 4, 6]) == 'ab ab<turn|><|"|>'
     assert tok.decode([9, 4, 6], skip_special=True) == 'ab<|"|>'
-    assert (tok.stop_ids, tok.chat_template, tok.vocab_size) == ([1, 4, 5], "{{ bos_token }}", len(TINY_TOKENS))
+    assert (tok.bos_id, tok.eos_id, tok.chat_template, tok.vocab_size) == (2, 1, "{{ bos_token }}", len(TINY_TOKENS))
 
 
 def test_from_plain_metadata():
@@ -260,7 +260,7 @@ def test_encoding_piece_by_piece_with_the_cache_gives_the_whole_encode(json_toke
     encode of the whole text, the first time and from the cache."""
     import random
 
-    from qat4.bench_serve import WORDS
+    from qat4.bench_serve.workload import WORDS
 
     hf = json_tokenizer._hf
     assert json_tokenizer._pieces is not None

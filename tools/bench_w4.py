@@ -12,7 +12,7 @@ From --rows 2 (a continuous-batching decode step up to 128; a prompt step beyond
 times, the same way, the decode-batch kernel of qat4.ops.w4.batch beside the GEMV (up to 16
 rows), the prefill GEMM and the expanded product of qat4.ops.w4.expanded (the matrix expanded into
 its scratch, then cuBLAS); --sweep there times every tiling of
-qat4.ops.w4.batch.batch_tiling_candidates.
+qat4.ops.w4.batch_tiling.batch_tiling_candidates.
 Then (without --shapes): the output layer (logits, argmax), the prefill GEMM, the embeddings.
 --floor instead times chains of N x 1536 GEMVs from 0.1 to 42 MB at fixed tilings, with and without
 programmatic dependent launch: what a dependent GEMV costs before its bytes.
@@ -29,6 +29,7 @@ import triton.testing
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from qat4.ops.w4 import batch as wb  # noqa: E402
+from qat4.ops.w4 import batch_tiling as bt  # noqa: E402
 from qat4.ops.w4 import expanded as wx  # noqa: E402
 from qat4.ops.w4 import gemm as wm  # noqa: E402
 from qat4.ops.w4 import gemv as wv  # noqa: E402
@@ -147,7 +148,7 @@ def bench_batch(dtype, rows, sweep, shapes, device, peak, gemv_us=None):
     for n, k, count in shapes:
         nbytes = weight_bytes(n, k, dtype) + rows * k * 2 + rows * n * 2
         time_us = chained(n, k, rows, dtype, device)
-        tiling = wb.batch_tiling(n, k, rows, device)
+        tiling = bt.batch_tiling(n, k, rows, device)
         gemm = time_us(lambda x, p, s, o: wm.w4_matmul(x, p, s))
         expand = time_us(lambda x, p, s, o: wx.w4_expanded_matmul(x, p, s))
         batch = time_us(lambda x, p, s, o: wb.w4_batch_linear(x, p, s, out=o, config=tiling))
@@ -161,7 +162,7 @@ def bench_batch(dtype, rows, sweep, shapes, device, peak, gemv_us=None):
               f"{100 * gbs / peak:>5.0f}%  "
               f"{describe_batch_tiling(tiling)}")
         if sweep:
-            for candidate in wb.batch_tiling_candidates(n, k, rows, device)[1:]:
+            for candidate in bt.batch_tiling_candidates(n, k, rows, device)[1:]:
                 us = time_us(lambda x, p, s, o, c=candidate: wb.w4_batch_linear(x, p, s, out=o, config=c))
                 print(f"{'':>47} {us:>8.2f} {nbytes / us / 1e3:>7.0f}         {describe_batch_tiling(candidate)}")
         del time_us  # frees this shape's copies before the next shape's

@@ -16,8 +16,9 @@ JSON string can never hold `<turn|>` or open a tool call. Three views of the voc
 (JSON without thinking, GBNF grammars); "markup", in which `<|tool_call>`, `<tool_call|>` and
 `<|"|>` are their text, for tool calls; and "thought", for JSON after a thought block, in which
 only `<|channel>` and `<channel|>` are text, each spelled behind a control character (`\\x01`).
-After a grammar is complete only the stop tokens (`<eos>`, `<turn|>`, `<|tool_response>`) may
-follow.
+After a grammar is complete only a stop token may follow: one of the ids the engine stops on, which
+come from the checkpoint (:attr:`qat4.engine.Engine.stop_token_ids`; for Gemma 4 `<eos>`, `<turn|>`
+and `<|tool_response>`).
 
 A JSON string never holds a raw control character, whatever view its grammar is compiled over:
 xgrammar's rule for the characters of a string with `minLength` or `maxLength` lets everything
@@ -27,8 +28,9 @@ That is also what keeps the thought channel's markers out of the JSON after a th
 plain text, `<|channel>` would be a string's text like any other, and the reply's parser would
 read it as a thought block opening inside the answer).
 
-Compiled grammars are cached per tokenizer and grammar (xgrammar's compiled form is shared by every
-sequence that uses it); each sequence holds one :class:`GrammarConstraint`, dropped when it ends.
+Compiled grammars are cached per tokenizer, stop tokens and grammar (xgrammar's compiled form is
+shared by every sequence that uses it); each sequence holds one :class:`GrammarConstraint`,
+dropped when it ends.
 """
 
 from __future__ import annotations
@@ -98,13 +100,14 @@ class GrammarConstraint:
 
 
 class Grammars:
-    """Grammar compilation over one tokenizer's vocabulary, cached (:func:`grammars_for`)."""
+    """Grammar compilation over one tokenizer's vocabulary for generations that end on ``stop_ids``,
+    cached (:func:`grammars_for`)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stop_ids: Sequence[int]):
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.vocab_size
         self.call_open = tokenizer.token_to_id(CALL_OPEN)
-        stops = list(dict.fromkeys(tokenizer.stop_ids))
+        stops = list(dict.fromkeys(stop_ids))
         self._compilers = {
             view: xgrammar.GrammarCompiler(
                 xgrammar.TokenizerInfo(vocab, vocab_type=xgrammar.VocabType.RAW, vocab_size=self.vocab_size,
@@ -166,12 +169,15 @@ _by_tokenizer: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _by_tokenizer_lock = threading.Lock()
 
 
-def grammars_for(tokenizer) -> Grammars:
-    """The (cached) grammar compiler of a tokenizer; building one takes about a second."""
+def grammars_for(tokenizer, stop_ids: Sequence[int]) -> Grammars:
+    """The (cached) grammar compiler of a tokenizer whose generations end on ``stop_ids`` (the
+    engine's ``stop_token_ids``); building one takes about a second."""
+    stops = tuple(stop_ids)
     with _by_tokenizer_lock:
-        grammars = _by_tokenizer.get(tokenizer)
+        by_stops = _by_tokenizer.setdefault(tokenizer, {})
+        grammars = by_stops.get(stops)
         if grammars is None:
-            grammars = _by_tokenizer[tokenizer] = Grammars(tokenizer)
+            grammars = by_stops[stops] = Grammars(tokenizer, stops)
         return grammars
 
 

@@ -1,4 +1,5 @@
-"""The one packed int4 layout, and exact recovery of the trained 4-bit grid from 16-bit values.
+"""The one packed int4 layout, whether a step dtype holds a matrix's steps exactly, and exact recovery
+of the trained 4-bit grid from 16-bit values.
 
 Layout (compressed-tensors order): a matrix W [rows, cols] (cols a multiple of 32) is
 - `packed` int32 [rows, cols // 8]: column c = 8j + i lives in word j, bits 4i..4i+3, as the biased
@@ -128,6 +129,22 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     rows = packed.shape[0]
     levels = unpack_levels(packed).to(torch.float32).reshape(rows, -1, GROUP)
     return (levels * scales.to(torch.float32).unsqueeze(-1)).reshape(rows, -1).to(dtype)
+
+
+def require_exact_steps(steps: torch.Tensor, dtype: torch.dtype, name: str, consequence: str, row0: int = 0) -> None:
+    """Raise Qat4Error naming tensor, row and group of the first step ([rows, groups]) that `dtype`
+    cannot hold exactly; `consequence` ends the message (why it matters, what to do). `row0`: the
+    row of the whole matrix that steps' first row is, for the message."""
+    chunk = max(1, _ROW_CHUNK_ELEMENTS // steps.shape[1])
+    for r in range(0, steps.shape[0], chunk):
+        step32 = steps[r : r + chunk].to(torch.float32)
+        bad = (step32.to(dtype).to(torch.float32) != step32).nonzero()
+        if len(bad):
+            row, group = r + int(bad[0, 0]), int(bad[0, 1])
+            raise Qat4Error(
+                f"tensor {name} has step {float(steps[row, group])!r} at row {row0 + row}, group {group}, "
+                f"which {str(dtype).removeprefix('torch.')} cannot hold exactly; {consequence}"
+            )
 
 
 @dataclass

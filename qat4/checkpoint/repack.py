@@ -31,12 +31,11 @@ import torch
 
 from qat4.checkpoint import REPACK_TARGETS as TARGETS
 from qat4.checkpoint.compressed_tensors import TABLES, write_ct
-from qat4.checkpoint.gguf.q4_0 import require_exact_steps
 from qat4.checkpoint.gguf.writer import write_gguf
 from qat4.checkpoint.hf_layout import LM_HEAD
 from qat4.checkpoint.loader import open_checkpoint
 from qat4.checkpoint.packed_model import Tensor, expected_tensors, is_unused_shared_kv
-from qat4.checkpoint.packing import GridReport, PackedBlocks, PackedTensor, row_blocks
+from qat4.checkpoint.packing import GridReport, PackedBlocks, PackedTensor, require_exact_steps, row_blocks
 from qat4.checkpoint.source import CheckpointSource
 from qat4.config import Gemma4Config
 from qat4.errors import Qat4Error

@@ -9,7 +9,6 @@ when stderr is a terminal.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from qat4.api_client import auth_headers, error_message, stream_events
 from qat4.errors import Qat4Error
 
 DEFAULT_URL = "http://127.0.0.1:8100"
@@ -56,8 +56,7 @@ class Client:
 
     def __init__(self, args: argparse.Namespace):
         self.url = args.url.rstrip("/")
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(10.0, read=None))
+        self.http = httpx.Client(base_url=self.url, headers=auth_headers(args.api_key), timeout=httpx.Timeout(10.0, read=None))
         self.think, self.max_tokens, self.temperature = args.think, args.max_tokens, args.temperature
         self.dim = sys.stderr.isatty()
 
@@ -71,20 +70,8 @@ class Client:
         try:
             with self.http.stream("POST", "/v1/chat/completions", json=body) as response:
                 if response.status_code != 200:
-                    raise Qat4Error(f"the server answered {response.status_code}: {_error_message(response.read())}")
-                for line in response.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        return
-                    try:
-                        event = json.loads(data)
-                    except ValueError:
-                        raise Qat4Error(f"{self.url} sent an event that is not JSON: {data[:80]!r}") from None
-                    if "error" in event:
-                        raise Qat4Error(f"the server failed mid-answer: {event['error'].get('message')}")
-                    yield event
+                    raise Qat4Error(f"the server answered {response.status_code}: {error_message(response.read())}")
+                yield from stream_events(response.iter_lines())  # a broken-off reply raises StreamError, a Qat4Error
         except httpx.ConnectError:
             raise Qat4Error(f"cannot connect to {self.url}; is `qat4 serve` running there? (--url or QAT4_URL sets the address)") from None
         except httpx.TransportError as exc:
@@ -119,13 +106,6 @@ class Client:
             sys.stdout.write("\n")
         sys.stdout.flush()
         return Answer(content, tokens, speed)
-
-
-def _error_message(body: bytes) -> str:
-    try:
-        return json.loads(body)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return body.decode(errors="replace").strip() or "no details"
 
 
 def _timing_line(answer: Answer, seconds: float) -> str:

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +175,22 @@ def _int_list(text: str, flag: str, minimum: int, what: str) -> list[int]:
     return values
 
 
+def parse_compare(specs: Sequence[str]) -> dict[str, list[tuple[int, float]]]:
+    """--compare NAME=C1:TPS1,C2:TPS2,... (repeatable) as {name: [(concurrency, output tok/s), ...]}."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for spec in specs:
+        name, _, points = spec.partition("=")
+        try:
+            pairs = [point.split(":") for point in points.split(",")]
+            parsed = [(int(c), float(tps)) for c, tps in pairs]
+        except ValueError:
+            parsed = []
+        if not name.strip() or not parsed or any(c < 1 or tps < 0 for c, tps in parsed):
+            raise Qat4Error(f"--compare takes NAME=CONCURRENCY:TOK_S,... such as llama.cpp=1:373,4:900, got {spec!r}")
+        out[name.strip()] = parsed
+    return out
+
+
 def load_packed_for_bench(model: str, device, seed: int):
     """A PackedModel in host memory: synthetic (made on `device`, then moved) or read from disk."""
     import torch
@@ -247,8 +263,7 @@ def _log(line: str) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from qat4 import bench_serve
-    from qat4.serve_process import HOST, ServerProcess, free_port, serve_command, split_server_args
+    from qat4.serve_process import serving
 
     concurrencies = _int_list(args.concurrency, "--concurrency", 1, "numbers of clients of at least 1")
     if args.multi_turn is not None and (args.multi_turn < 1 or args.sessions < 1 or args.turn_len < 1):
@@ -260,48 +275,32 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.requests_per_level is not None and args.requests_per_level < max(concurrencies):
         raise Qat4Error(f"--requests-per-level {args.requests_per_level} is fewer than the largest --concurrency "
                         f"{max(concurrencies)}; every client needs at least one request")
-    compare = bench_serve.parse_compare(args.compare or [])
-    server_args = split_server_args(args.server_args, "qat4 bench serve")
-    if args.url:
-        if server_args or args.device:
-            raise Qat4Error("--server-args and --device set up the qat4 serve that the benchmark starts; "
-                            "leave them out with --url")
-        url = args.url.rstrip("/").removesuffix("/v1")  # an OpenAI client's base URL is fine too
-        served = bench_serve.probe(url, args.api_key)
-        return _measure(args, url, args.model or served, "external", [], concurrencies, compare)
-    if not args.model:
-        raise Qat4Error("qat4 bench serve needs --model to start a server, or --url of a running one")
-    port = free_port()
-    url = f"http://{HOST}:{port}"
-    command = serve_command(args.model, port, device=args.device, max_queue=max(concurrencies), extra_args=server_args)
-    env = {**os.environ, "QAT4_API_KEY": args.api_key} if args.api_key else None
-    _log(f"starting qat4 serve --model {args.model} on {url}")
-    start = time.perf_counter()
-    with ServerProcess(command, url, env=env):
-        _log(f"the server answered after {time.perf_counter() - start:.1f} s")
-        served = bench_serve.probe(url, args.api_key)
-        return _measure(args, url, served, "qat4 serve, started by the benchmark", ["qat4", *command[3:]],
-                        concurrencies, compare)
+    compare = parse_compare(args.compare or [])
+    with serving("qat4 bench serve", args.url, args.model, api_key=args.api_key, device=args.device,
+                 server_args=args.server_args, max_queue=max(concurrencies), log=_log) as served:
+        server = "qat4 serve, started by the benchmark" if served.command else "external"
+        return _measure(args, served.url, served.model, server, list(served.command), concurrencies, compare)
 
 
 def _measure(args: argparse.Namespace, url: str, model: str | None, server: str, server_command: list[str],
              concurrencies: list[int], compare: dict) -> int:
     """Run the levels against `url`, print the table, write --json and --plot."""
-    from qat4 import bench_serve
+    from qat4.bench_serve import levels, output
+    from qat4.bench_serve.workload import Workload
 
     if args.multi_turn is not None:
         return _measure_turns(args, url, model, server)
-    workload = bench_serve.Workload(url, args.endpoint, model, args.input_len, args.output_len,
-                                    temperature=args.temperature, api_key=args.api_key)
-    report = bench_serve.new_report(workload, server=server, requests_per_level=args.requests_per_level,
-                                    seed=args.seed, server_command=server_command, compare=compare)
+    workload = Workload(url, args.endpoint, model, args.input_len, args.output_len,
+                        temperature=args.temperature, api_key=args.api_key)
+    report = levels.new_report(workload, server=server, requests_per_level=args.requests_per_level,
+                               seed=args.seed, server_command=server_command, compare=compare)
     show = _progress(lambda concurrency: f"concurrency {concurrency}")
-    bench_serve.run(workload, concurrencies, report, on_result=show, warn=lambda text: _log(f"warning: {text}"))
-    print(bench_serve.format_table(report))
+    levels.run(workload, concurrencies, report, on_result=show, warn=lambda text: _log(f"warning: {text}"))
+    print(output.format_table(report))
     if args.json:
-        bench_serve.save_json(report, args.json)
+        output.save_json(report, args.json)
     if args.plot:
-        bench_serve.write_plot(report, args.plot)
+        output.write_plot(report, args.plot)
     if not any(level.completed for level in report.levels):
         total = sum(level.requests for level in report.levels)
         raise Qat4Error(f"every one of the {total} requests failed; the first: {report.levels[0].first_error}")
@@ -328,20 +327,23 @@ def _measure_turns(args: argparse.Namespace, url: str, model: str | None, server
     """--multi-turn: the conversations against `url`, the per-turn table, --json."""
     from dataclasses import asdict
 
-    from qat4 import bench_serve
+    from qat4.bench_serve.levels import qat4_commit
+    from qat4.bench_serve.multi_turn import hit_rate, run_multi_turn
+    from qat4.bench_serve.output import format_turns
+    from qat4.bench_serve.workload import Workload
 
-    workload = bench_serve.Workload(url, "chat", model, args.input_len, args.output_len,
-                                    temperature=args.temperature, api_key=args.api_key)
+    workload = Workload(url, "chat", model, args.input_len, args.output_len,
+                        temperature=args.temperature, api_key=args.api_key)
     show = _progress(lambda phase: f"{args.sessions} conversations, {phase}")
-    turns = bench_serve.run_multi_turn(workload, args.multi_turn, args.sessions, args.turn_len, args.seed, show)
+    turns = run_multi_turn(workload, args.multi_turn, args.sessions, args.turn_len, args.seed, show)
     print(f"{model} at {url} ({server}): {args.sessions} conversations of {args.multi_turn} turns, "
           f"{args.output_len} output tokens a turn")
-    print(bench_serve.format_turns(turns))
+    print(format_turns(turns))
     if args.json:
         Path(args.json).write_text(json.dumps({
             "url": url, "model": model, "server": server, "sessions": args.sessions, "turns": args.multi_turn,
             "input_len": args.input_len, "turn_len": args.turn_len, "output_len": args.output_len,
-            "qat4_commit": bench_serve.qat4_commit(), "hit_rate": bench_serve.hit_rate(turns),
+            "qat4_commit": qat4_commit(), "hit_rate": hit_rate(turns),
             "per_turn": [asdict(t) for t in turns]}, indent=2))
     if all(t.failed == t.sessions for t in turns):
         raise Qat4Error("every request of the conversations failed")

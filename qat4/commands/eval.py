@@ -112,27 +112,12 @@ def _log(task: str, line: str) -> None:
 @contextmanager
 def _serving(args: argparse.Namespace, task: str) -> Iterator[Any]:
     """The server the questions go to: --url as given, or a qat4 serve --model started for the run."""
-    from qat4.bench_serve import probe
     from qat4.eval.client import Server
-    from qat4.serve_process import HOST, ServerProcess, free_port, serve_command, split_server_args
+    from qat4.serve_process import serving
 
-    server_args = split_server_args(args.server_args, f"qat4 eval {task}")
-    if args.url:
-        if server_args or args.device:
-            raise Qat4Error("--server-args and --device set up the qat4 serve that eval starts; leave them out with --url")
-        url = args.url.rstrip("/").removesuffix("/v1")
-        served = probe(url, args.api_key)
-        yield Server(url, args.model or served, args.api_key)
-        return
-    if not args.model:
-        raise Qat4Error(f"qat4 eval {task} needs --url of a running server, or --model to start one")
-    port = free_port()
-    url = f"http://{HOST}:{port}"
-    command = serve_command(args.model, port, device=args.device, max_queue=args.concurrency, extra_args=server_args)
-    env = {**os.environ, "QAT4_API_KEY": args.api_key} if args.api_key else None
-    _log(task, f"starting qat4 serve --model {args.model} on {url}")
-    with ServerProcess(command, url, env=env):
-        yield Server(url, probe(url, args.api_key), args.api_key)
+    with serving(f"qat4 eval {task}", args.url, args.model, api_key=args.api_key, device=args.device,
+                 server_args=args.server_args, max_queue=args.concurrency, log=lambda line: _log(task, line)) as served:
+        yield Server(served.url, served.model, args.api_key)
 
 
 def _check_counts(args: argparse.Namespace) -> None:

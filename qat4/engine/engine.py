@@ -367,7 +367,7 @@ class Engine:
         if self.tokenizer is None or self.tokenizer.vocab_size != self.config.vocab_size:
             raise Qat4Error("constrained decoding needs the model's tokenizer, covering its whole vocabulary")
         try:
-            return grammars_for(self.tokenizer).json(schema)
+            return grammars_for(self.tokenizer, self.stop_token_ids).json(schema)
         except ValueError as exc:
             raise Qat4Error(f"json_schema cannot be enforced: {exc}") from None
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from qat4.bench_serve import CONNECT_TIMEOUT_S, error_message
+from qat4.api_client import async_client, error_message
 
 
 @dataclass(frozen=True)
@@ -23,10 +23,7 @@ class Server:
     def client(self, connections: int) -> httpx.AsyncClient:
         """An HTTP client for `connections` requests at once; replies have no time limit, since they
         may wait in the server's queue."""
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return httpx.AsyncClient(base_url=self.url, headers=headers,
-                                 timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None, write=None, pool=None),
-                                 limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
+        return async_client(self.url, self.api_key, connections)
 
 
 @dataclass

@@ -148,7 +148,8 @@ class Completions:
             if prompt.grammar.kind == "json" or req.tool_choice not in (None, "auto"):
                 check_constrainable(req, "response_format" if prompt.grammar.kind == "json" else "tool_choice")
             if not req.ignore_eos:  # a free reply with tools runs past calls under ignore_eos, unconstrained
-                params = dataclasses.replace(params, constraint=chat_constraint(self.tokenizer, prompt.grammar))
+                constraint = chat_constraint(self.tokenizer, self.engine.stop_token_ids, prompt.grammar)
+                params = dataclasses.replace(params, constraint=constraint)
         tools = tuple(t.model_dump(exclude_none=True) for t in req.tools or ())
         return Prepared(ids, params, req.include_usage, prompt.reply_prefix, prompt.thinking, tools)
 
@@ -157,7 +158,7 @@ class Completions:
         self.limits.check_text(req.prompt)
         ids = self._encode(req.prompt, "prompt")
         params = self._params(req, len(ids), req.max_tokens, "max_tokens", "prompt")
-        constraint = completion_constraint(self.tokenizer, req)
+        constraint = completion_constraint(self.tokenizer, self.engine.stop_token_ids, req)
         return Prepared(ids, dataclasses.replace(params, constraint=constraint), req.include_usage)
 
     def start(self, prepared: Prepared) -> Generation:

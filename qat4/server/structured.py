@@ -8,6 +8,7 @@ llama.cpp's `json_schema` or its GBNF `grammar` (one of them). The grammars them
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from qat4.chat.grammars import GrammarConstraint, grammars_for
@@ -23,9 +24,9 @@ def check_constrainable(req: SamplingRequest, param: str) -> None:
                           "ends.", param="ignore_eos")
 
 
-def chat_constraint(tokenizer: Any, grammar: ReplyGrammar) -> GrammarConstraint:
-    """The constraint of a chat reply."""
-    grammars = grammars_for(tokenizer)
+def chat_constraint(tokenizer: Any, stop_ids: Sequence[int], grammar: ReplyGrammar) -> GrammarConstraint:
+    """The constraint of a chat reply that ends on ``stop_ids`` (the engine's)."""
+    grammars = grammars_for(tokenizer, stop_ids)
     if grammar.kind == "calls":
         try:
             return grammars.tool_calls(grammar.tools, grammar.start, grammar.names, grammar.parallel)
@@ -38,8 +39,9 @@ def chat_constraint(tokenizer: Any, grammar: ReplyGrammar) -> GrammarConstraint:
                           param="response_format.json_schema.schema") from None
 
 
-def completion_constraint(tokenizer: Any, req: CompletionRequest) -> GrammarConstraint | None:
-    """The constraint of a text completion: `response_format`, `json_schema` or `grammar`, at most one."""
+def completion_constraint(tokenizer: Any, stop_ids: Sequence[int], req: CompletionRequest) -> GrammarConstraint | None:
+    """The constraint of a text completion that ends on ``stop_ids`` (the engine's): `response_format`,
+    `json_schema` or `grammar`, at most one."""
     fmt = req.response_format if req.response_format is not None and req.response_format.type != "text" else None
     given = [name for name, value in (("response_format", fmt), ("json_schema", req.json_schema),
                                       ("grammar", req.grammar)) if value is not None]
@@ -48,7 +50,7 @@ def completion_constraint(tokenizer: Any, req: CompletionRequest) -> GrammarCons
     if len(given) > 1:
         raise bad_request(f"Give one of {' and '.join(given)}, not both: each constrains the whole text.", param=given[1])
     check_constrainable(req, given[0])
-    grammars = grammars_for(tokenizer)
+    grammars = grammars_for(tokenizer, stop_ids)
     try:
         if req.grammar is not None:
             return grammars.gbnf(req.grammar)

@@ -9,6 +9,7 @@ import torch
 from cuda_weights import random_weight, rel_err
 
 from qat4.ops.w4 import batch as wb
+from qat4.ops.w4 import batch_tiling as bt
 from qat4.ops.w4 import reference as wr
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -37,7 +38,7 @@ def test_batch_linear_at_e2b_shapes(n, k, dtype):
     for m in ROWS if dtype == torch.bfloat16 else (16,):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         out = wb.w4_batch_linear(x, packed, scales, out=torch.full((m, n), float("nan"), device="cuda", dtype=dtype))
-        assert rel_err(out, wr.w4_linear_reference(x, packed, scales)) < TOL[dtype], (m, n, k, wb.batch_tiling(n, k, m, x.device))
+        assert rel_err(out, wr.w4_linear_reference(x, packed, scales)) < TOL[dtype], (m, n, k, bt.batch_tiling(n, k, m, x.device))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -74,7 +75,7 @@ def test_batch_split_k_is_deterministic_and_graph_safe():
     for bit (the tickets reset themselves)."""
     packed, scales = random_weight(1536, 12288, torch.bfloat16)
     x = torch.randn(16, 12288, device="cuda", dtype=torch.bfloat16)
-    assert wb.batch_tiling(1536, 12288, 16, x.device)["SPLIT_K"] > 1
+    assert bt.batch_tiling(1536, 12288, 16, x.device)["SPLIT_K"] > 1
     first = wb.w4_batch_linear(x, packed, scales)
     assert rel_err(first, wr.w4_linear_reference(x, packed, scales)) < TOL[torch.bfloat16]
     for _ in range(50):
@@ -96,5 +97,5 @@ def test_every_candidate_tiling_is_right(m):
     packed, scales = random_weight(n, k, torch.bfloat16)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     reference = wr.w4_linear_reference(x, packed, scales)
-    for tiling in wb.batch_tiling_candidates(n, k, m, x.device):
+    for tiling in bt.batch_tiling_candidates(n, k, m, x.device):
         assert rel_err(wb.w4_batch_linear(x, packed, scales, config=tiling), reference) < TOL[torch.bfloat16], tiling

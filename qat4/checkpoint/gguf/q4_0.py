@@ -16,8 +16,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from qat4.checkpoint.packing import GROUP, PER_WORD, PackedTensor
-from qat4.errors import Qat4Error
+from qat4.checkpoint.packing import GROUP, PER_WORD, PackedTensor, require_exact_steps
 
 Q4_0_BLOCK_BYTES = 18  # fp16 step + 16 bytes of nibbles
 _CHUNK_BLOCKS = 1 << 20  # blocks transcoded at once (32 Mi weights)
@@ -43,22 +42,6 @@ def q4_0_to_packed(blocks: np.ndarray, rows: int, cols: int, consumed: Callable[
     packed = torch.from_numpy(words.view(np.int32).reshape(rows, cols // PER_WORD))
     scales = torch.from_numpy(steps.view(np.float16).reshape(rows, cols // GROUP))
     return PackedTensor(packed, scales)
-
-
-def require_exact_steps(steps: torch.Tensor, dtype: torch.dtype, name: str, consequence: str, row0: int = 0) -> None:
-    """Raise Qat4Error naming tensor, row and group of the first step ([rows, groups]) that `dtype`
-    cannot hold exactly; `consequence` ends the message (why it matters, what to do). `row0`: the
-    row of the whole matrix that steps' first row is, for the message."""
-    chunk = max(1, _CHUNK_BLOCKS // steps.shape[1])
-    for r in range(0, steps.shape[0], chunk):
-        step32 = steps[r : r + chunk].to(torch.float32)
-        bad = (step32.to(dtype).to(torch.float32) != step32).nonzero()
-        if len(bad):
-            row, group = r + int(bad[0, 0]), int(bad[0, 1])
-            raise Qat4Error(
-                f"tensor {name} has step {float(steps[row, group])!r} at row {row0 + row}, group {group}, "
-                f"which {str(dtype).removeprefix('torch.')} cannot hold exactly; {consequence}"
-            )
 
 
 def packed_to_q4_0(tensor: PackedTensor, name: str, row0: int = 0) -> Iterator[np.ndarray]:

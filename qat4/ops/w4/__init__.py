@@ -16,7 +16,8 @@ One kernel family per module; each imports only modules listed above it:
 - :mod:`~qat4.ops.w4.gemv`: the decode GEMV (at most 16 rows of x) with its fused epilogues;
 - :mod:`~qat4.ops.w4.logits`: the output layer on the GEMV (softcapped logits, argmax);
 - :mod:`~qat4.ops.w4.gemm`: the prefill GEMM;
-- :mod:`~qat4.ops.w4.batch`: the tensor-core decode-batch product (2..128 rows) and its tilings;
+- :mod:`~qat4.ops.w4.batch_tiling`: the decode-batch product's tiling table and split rule;
+- :mod:`~qat4.ops.w4.batch`: the tensor-core decode-batch product (2..128 rows);
 - :mod:`~qat4.ops.w4.embedding`: row lookup in a packed table (and whole matrices expanded);
 - :mod:`~qat4.ops.w4.expanded`: prompt steps' products, W expanded into a 16-bit scratch, then cuBLAS;
 - :mod:`~qat4.ops.w4.dispatch`: the layers the model calls, each picking a kernel by the rows of x.

@@ -1,0 +1,116 @@
+"""The requests of `qat4 bench serve` on the wire: one streamed request timed chunk by chunk, a
+level's requests through exactly `concurrency` clients, and the uncounted warm-up."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from qat4.api_client import StreamError, astream_events, async_client, error_message
+from qat4.bench_serve.workload import ENDPOINTS, Prompt, Workload
+
+WARMUP_MAX_TOKENS = 4
+
+
+@dataclass
+class RequestResult:
+    """What one request measured; a failed one has `error` and no token figures."""
+
+    latency_s: float
+    ttft_s: float | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    chunk_gaps_s: list[float] = field(default_factory=list)
+    error: str | None = None
+    text: str = ""  # the reply's text (a chat reply's content)
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, where the server reports it
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first; None for a reply of one token."""
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def _has_text(event: dict[str, Any]) -> bool:
+    """Whether a streamed chunk carries generated text (a completion's text, a chat delta's content,
+    reasoning or tool call); role-only and finish chunks do not."""
+    for choice in event.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if choice.get("text") or delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+            return True
+    return False
+
+
+async def send_request(client: httpx.AsyncClient, workload: Workload, prompt: Prompt, max_tokens: int) -> RequestResult:
+    """Send one streamed request and time it. HTTP errors, error events and broken connections come
+    back as a failed RequestResult naming the status and the server's message."""
+    start = time.perf_counter()
+
+    def failed(message: str) -> RequestResult:
+        return RequestResult(latency_s=time.perf_counter() - start, error=message)
+
+    first = last = None
+    gaps: list[float] = []
+    text: list[str] = []
+    chunks, usage = 0, {}
+    try:
+        async with client.stream("POST", ENDPOINTS[workload.endpoint], json=workload.body(prompt, max_tokens)) as reply:
+            if reply.status_code != 200:
+                return failed(f"HTTP {reply.status_code}: {error_message(await reply.aread())}")
+            async for event in astream_events(reply.aiter_lines()):
+                if isinstance(event.get("usage"), dict):
+                    usage = event["usage"]
+                for choice in event.get("choices") or []:
+                    text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+                if _has_text(event):
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                    else:
+                        gaps.append(now - last)
+                    last, chunks = now, chunks + 1
+    except StreamError as exc:
+        return failed(str(exc))
+    except httpx.HTTPError as exc:
+        return failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+    if first is None:
+        return failed("the reply ended without any text")
+    return RequestResult(latency_s=time.perf_counter() - start, ttft_s=first - start,
+                         input_tokens=int(usage.get("prompt_tokens") or workload.input_len),
+                         output_tokens=int(usage.get("completion_tokens") or chunks), chunk_gaps_s=gaps,
+                         text="".join(text), cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
+
+
+async def run_level(workload: Workload, prompts: Sequence[Prompt], concurrency: int,
+                    on_result: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:
+    """Send `prompts` through exactly `concurrency` clients; the results in prompt order, and the wall time."""
+    results: list[RequestResult | None] = [None] * len(prompts)
+    queue = iter(enumerate(prompts))  # shared by the clients: each takes the next prompt when free
+
+    async with async_client(workload.url, workload.api_key, concurrency) as client:
+        async def one_client() -> None:
+            for i, prompt in queue:
+                results[i] = await send_request(client, workload, prompt, workload.output_len)
+                if on_result is not None:
+                    on_result(results[i])
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        return results, time.perf_counter() - start
+
+
+async def warm_up(workload: Workload, prompt: Prompt) -> RequestResult:
+    """One uncounted request of WARMUP_MAX_TOKENS, so first-use costs (compiling, caches) stay out of the figures."""
+    async with async_client(workload.url, workload.api_key, 1) as client:
+        return await send_request(client, workload, prompt, min(workload.output_len, WARMUP_MAX_TOKENS))
