@@ -235,21 +235,25 @@ def test_a_seeded_fuzz_of_every_post_route_gets_no_5xx_and_no_hang(server):
     assert slowest < 15
 
 
-def test_a_client_that_trickles_its_headers_is_disconnected(monkeypatch):
-    """qat4 serve's protocol closes a connection whose headers have not all arrived in time, and
-    keeps serving whole requests on the same server."""
+@pytest.mark.parametrize("name", ["H11HeaderTimeout", "HttpToolsHeaderTimeout"])
+def test_a_client_that_trickles_its_headers_is_disconnected(monkeypatch, name):
+    """qat4 serve's protocol (httptools' parser, or h11's where httptools is missing) closes a
+    connection whose headers have not all arrived in time, and keeps serving whole requests on
+    the same server."""
     import threading
 
     import uvicorn
 
     from qat4.commands import serve
+    from qat4.server import protocol
 
-    monkeypatch.setattr(serve, "HEADER_TIMEOUT_S", 0.5)
+    assert serve.HeaderTimeoutProtocol is protocol.HttpToolsHeaderTimeout  # httptools is a dependency
+    monkeypatch.setattr(protocol, "HEADER_TIMEOUT_S", 0.5)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(create_app(tiny_engine(), model_name="tiny"), log_level="warning",
-                            http=serve.HeaderTimeoutProtocol)
+                            http=getattr(protocol, name))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

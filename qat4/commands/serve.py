@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from qat4 import server_control as control
 from qat4.commands.model_args import add_model_arguments, add_speculative_arguments, load_engine, resolve_device, \
@@ -20,10 +19,10 @@ from qat4.commands.model_args import add_model_arguments, add_speculative_argume
 from qat4.errors import Qat4Error
 from qat4.serve_process import STARTUP_TIMEOUT_S, serve_command
 from qat4.server.limits import CHARS_PER_CONTEXT_TOKEN, DEFAULT_MAX_MESSAGES, DEFAULT_MAX_TOOLS, RequestLimits
+from qat4.server.protocol import HeaderTimeoutProtocol
 from qat4.server_control import DEFAULT_PORT, LOOPBACK_HOSTS
 
 DEFAULT_MAX_QUEUE = 256
-HEADER_TIMEOUT_S = 10.0  # a request's line and headers must arrive within this long
 SHUTDOWN_GRACE_S = 5  # on Ctrl-C, answers still streaming after this long are cut (and their generation cancelled)
 DETACH_OPTIONS = ("pid_file", "log_file", "startup_timeout")  # the flags that go with --detach
 # Not passed on to the detached server as flags: serve_command sets these, and the API key goes in its
@@ -87,46 +86,6 @@ def model_name_for(model: str) -> str:
     """The /v1/models id: a hub id as given, a local path by its last component."""
     path = Path(model)
     return path.resolve().name if path.exists() else model
-
-
-class HeaderTimeoutProtocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol, closing a connection whose request line and headers have not all
-    arrived within HEADER_TIMEOUT_S of its opening or of its last answer (a client that trickles
-    its headers in holds a connection open for nothing, as slowloris does)."""
-
-    def connection_made(self, transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm()
-
-    def handle_events(self) -> None:
-        super().handle_events()
-        if self._waiting_for_headers():
-            return
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if getattr(self, "_header_timer", None) is not None:
-            self._header_timer.cancel()
-        super().connection_lost(exc)
-
-    def _arm(self) -> None:
-        if getattr(self, "_header_timer", None) is not None:
-            self._header_timer.cancel()
-        self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._headers_late)
-
-    def _waiting_for_headers(self) -> bool:
-        return self.cycle is None or self.cycle.response_complete
-
-    def _headers_late(self) -> None:
-        self._header_timer = None
-        if self._waiting_for_headers() and not self.transport.is_closing():
-            self.transport.close()
 
 
 class _Server(uvicorn.Server):
