@@ -101,7 +101,7 @@ def test_padded_prompt_chunks_agree_with_the_prompt_read_unpadded(engine, eager)
     """A one-sequence prompt chunk runs padded to the next of 16 .. 512 tokens (replayed from a
     graph, or eagerly without graphs): its last row's logits against the same prompt read unpadded
     (Engine.logits), KL and top-1 agreement printed."""
-    assert set(engine.runner.chunk_graphs) >= {(t, 1, False) for t in CHUNK_GRAPH_TOKENS}
+    assert set(engine.runner.chunk_graphs) >= {(t, 1, False, False) for t in CHUNK_GRAPH_TOKENS}
     seen = record_logits(eager)
     kls, same = [], 0
     lengths = (3, 16, 17, 100, 300, 512)
