@@ -39,9 +39,9 @@ import xgrammar
 from qat4.chat.call_grammar import CallGrammar, literal
 from qat4.chat.markup import CALL_CLOSE, CALL_OPEN, STRING_DELIM, THOUGHT_CLOSE, THOUGHT_OPEN
 from qat4.errors import Qat4Error
+from qat4.tokenizer import piece_bytes
 
 MARKERS = (CALL_OPEN, CALL_CLOSE, STRING_DELIM, THOUGHT_OPEN, THOUGHT_CLOSE)
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _UNUSED_TOKEN = re.compile(r"<unused\d+>")
 COMPILED_CACHE = 64  # compiled grammars kept per tokenizer, least recently used out first
 _THOUGHT = f"{literal(THOUGHT_OPEN)} ([^<] | \"<\" [^c])* {literal(THOUGHT_CLOSE)}"
@@ -162,8 +162,7 @@ def _vocabularies(tokenizer) -> dict[str, list[bytes]]:
             text = b""
             markup = piece.encode() if piece in MARKERS else b""
         else:
-            byte = _BYTE_TOKEN.fullmatch(piece)
-            text = markup = bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode()
+            text = markup = piece_bytes(piece)
         views["text"].append(text)
         views["json"].append(b"" if any(b < 0x20 for b in text) else text)
         views["markup"].append(markup)
