@@ -219,8 +219,24 @@ class CompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(_Strict):
-    content: str
-    add_special: bool = False
+    """llama.cpp's fields (content, add_special) or vLLM's (prompt, add_special_tokens)."""
+
+    content: str | None = None
+    prompt: str | None = None
+    add_special: bool | None = None
+    add_special_tokens: bool | None = None
+
+    def text(self) -> tuple[str, str]:
+        """The text to tokenize and the name of its field; a 400 when neither field is given."""
+        if self.content is not None:
+            return self.content, "content"
+        if self.prompt is not None:
+            return self.prompt, "prompt"
+        raise bad_request("Missing required parameter 'content' (or vLLM's 'prompt').", param="content")
+
+    def with_bos(self) -> bool:
+        """Whether the ids start with <bos>: add_special, else add_special_tokens, else no."""
+        return bool(self.add_special if self.add_special is not None else self.add_special_tokens)
 
 
 class DetokenizeRequest(_Strict):
