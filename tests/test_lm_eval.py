@@ -70,9 +70,10 @@ def tasks(tmp_path_factory) -> Path:
 def lm_eval(tasks: Path, out: Path, task: str, model: str, url: str, *more: str) -> tuple[dict, list[dict]]:
     """Run `lm_eval` on ``task`` with ``--limit 5``, offline -> (its results, its logged samples)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(out / "hf")}
-    subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", f"model=tiny,base_url={url}",
-                    "--tasks", task, "--include_path", str(tasks), "--limit", "5", "--output_path", str(out),
-                    "--log_samples", *more], env=env, check=True, timeout=600, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args",
+                    f"model=tiny,base_url={url}", "--tasks", task, "--include_path", str(tasks), "--limit", "5",
+                    "--output_path", str(out), "--log_samples", *more],
+                   env=env, check=True, timeout=600, stdout=subprocess.DEVNULL)
     results = json.loads(next(out.rglob("results_*.json")).read_text())["results"][task]
     samples = [json.loads(line) for line in next(out.rglob(f"samples_{task}_*.jsonl")).read_text().splitlines()]
     return results, samples

@@ -159,10 +159,11 @@ class ModelRunner:
         self._cu_q = torch.arange(max_num_seqs + 1, dtype=torch.int64, device=dev)
         self._decoded = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.top = top_width(self.vocab_size)  # most likely tokens of a scored row
-        self._scores = score_buffers(rows, self.top, dev)  # the decode rows' logprobs [rows, 1 + top] and ids [rows, top]
+        self._scores = score_buffers(rows, self.top, dev)  # decode rows' logprobs [rows, 1 + top], ids [rows, top]
         pinned = dev.type == "cuda"
         self._host = [torch.zeros(rows + max_num_seqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
-        self._host_scores = [score_buffers(rows + max_num_seqs, self.top, torch.device("cpu"), pinned) for _ in range(2)]
+        self._host_scores = [score_buffers(rows + max_num_seqs, self.top, torch.device("cpu"), pinned)
+                             for _ in range(2)]
         self._turn = 0
         # (batch size, q, keep, masked, scored)
         self.graphs: dict[tuple[int, int, int, bool, bool], torch.cuda.CUDAGraph] = {}
@@ -211,7 +212,8 @@ class ModelRunner:
         sequences of ``slots`` [R]: the fused argmax when every row is greedy (keep 1), none is
         ``masked`` and none is scored, else the logits (with each slot's disallowed tokens at -inf
         when masked) and per-row sampling with each slot's parameters. With ``scores`` (buffers
-        of R rows, :func:`qat4.engine.logprobs.score_buffers`) each row's token is scored there under its unmasked logits."""
+        of R rows, :func:`qat4.engine.logprobs.score_buffers`) each row's token is scored there
+        under its unmasked logits."""
         if keep == 1 and not masked and scores is None:
             return self.model.argmax(h)
         logits = self.model.logits(h)

@@ -48,8 +48,8 @@ def descend(start: Tilings, candidates: dict[tuple, list[dict]], measure: Callab
 
 
 def step_time_us(runner, key: tuple[int, int, int, bool, bool], replays: int) -> float:
-    """Capture the runner's decode graph for `key` (batch size, rows per sequence, keep, masked, scored) anew with
-    the tilings pinned now and return µs per replay (:func:`replay_us`). A capture writes only the
+    """Capture the runner's decode graph for `key` (batch size, rows per sequence, keep, masked,
+    scored) anew with the tilings pinned now and return µs per replay (:func:`replay_us`). A capture writes only the
     pool's scratch row, so the replays do too."""
     runner.graphs.pop(key, None)
     runner.capture(*key)
@@ -90,8 +90,8 @@ def best_seconds(run: Callable[[], None], device: torch.device, tries: int = 3) 
 
 def tune_decode_tilings(runner, key: tuple[int, int, int, bool, bool], replays: int = 50,
                         margin: float = 0.01) -> tuple[Tilings, float, float]:
-    """Pick every GEMV tiling of the decode graph `key` (batch size, rows per sequence, keep, masked, scored) by whole-step replay
-    time (module docstring) and pin them.
+    """Pick every GEMV tiling of the decode graph `key` (batch size, rows per sequence, keep, masked,
+    scored) by whole-step replay time (module docstring) and pin them.
 
     Starts from the tilings in use (the autotuner's picks, or those pinned at load). Drops the
     graph for `key` (captured last with a trial tiling): the next capture uses the tilings found.

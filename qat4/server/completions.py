@@ -230,8 +230,8 @@ class Completions:
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
             logprobs = self._chat_logprobs(prepared, scored) if scored else None
             scored.clear()
-            return sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-                        **extra})
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return sse({**head, "choices": [choice], **extra})
 
         parser, calls, invalid_calls, done = ReplyStream(prepared.thinking, prepared.tools), 0, 0, None
         try:
