@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -53,6 +54,7 @@ _GGUF_USER_DEFINED = 4
 _SPECIAL_TYPES = (_GGUF_UNKNOWN, _GGUF_CONTROL)
 _ADDED_TYPES = (_GGUF_UNKNOWN, _GGUF_CONTROL, _GGUF_USER_DEFINED)
 
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _FileKey = tuple[str, int, int]
 CACHED_PIECE_CHARS = 1024  # pieces at least this long are kept by the encode cache
 CACHE_CHARS = 4 << 20  # characters of pieces the encode cache keeps, least recently used out first
@@ -113,6 +115,10 @@ class Tokenizer:
         """Every token's vocabulary entry by id (`▁` for a space, `<0xNN>` for a byte, added tokens as written)."""
         return [self._hf.id_to_token(i) or "" for i in range(self.vocab_size)]
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (:func:`piece_bytes` of its vocabulary entry)."""
+        return piece_bytes(self._hf.id_to_token(token_id) or "")
+
     def added_tokens(self) -> dict[int, str]:
         """The added tokens (control tokens and the chat template's markers) by id."""
         return {i: t.content for i, t in self._hf.get_added_tokens_decoder().items()}
@@ -123,6 +129,13 @@ class Tokenizer:
         if token_id is None:
             raise Qat4Error(f"token {token!r} is not in the tokenizer's vocabulary")
         return token_id
+
+
+def piece_bytes(piece: str) -> bytes:
+    """The bytes a vocabulary entry stands for: a byte token's (`<0xNN>`) one byte, else its text
+    in UTF-8 with `▁` as a space (an added token's as written)."""
+    byte = _BYTE_TOKEN.fullmatch(piece)
+    return bytes([int(byte.group(1), 16)]) if byte else piece.replace(SPACE, " ").encode()
 
 
 class _PieceCache:

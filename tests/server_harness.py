@@ -80,7 +80,7 @@ class ScriptedEngine:
         return self.tokenizer.decode(self.prompts[index])
 
     def add_request(self, prompt, max_new_tokens=256, temperature=None, top_k=None, top_p=None, seed=None,
-                    stop_token_ids=None, constraint=None) -> Sequence:
+                    stop_token_ids=None, constraint=None, logprobs=None) -> Sequence:
         if self.error is not None:
             raise self.error
         stops = frozenset(self.stop_token_ids if stop_token_ids is None else stop_token_ids)

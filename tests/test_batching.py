@@ -51,7 +51,8 @@ def record_logits(engine: Engine) -> dict:
     """Wrap the runner's token pick so every sampled row's logits are kept, by (sequence, position)."""
     seen = {}
 
-    def recording(h, slots, positions, keep, masked=False):
+    def recording(h, slots, positions, keep, masked=False, scores=None):
+        assert scores is None  # no request here asks for logprobs
         owners = {s.slot: s for s in engine.scheduler.running}
         logits = engine.model.logits(h)
         if masked:

@@ -35,8 +35,8 @@ def run(engine: Engine, requests: list[list[int]], new: int = 8, others: list[li
     logits of every sampled row, cached tokens)."""
     seen = {}
 
-    def recording(h, slots, positions, keep, masked):
-        assert not masked  # no request here is constrained
+    def recording(h, slots, positions, keep, masked, scores):
+        assert not masked and scores is None  # no request here is constrained or asks for logprobs
         owners = {s.slot: s for s in engine.scheduler.running}
         logits = engine.model.logits(h)
         for row, (slot, pos) in enumerate(zip(slots.tolist(), positions.tolist())):

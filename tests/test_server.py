@@ -145,7 +145,24 @@ def test_text_completions_plain_streamed_and_stop(real):
 def test_tokenize_detokenize(real):
     tokens = httpx.post(real.url + "/tokenize", json={"content": "Hello world", "add_special": True}).json()["tokens"]
     assert tokens[0] == 2 and len(tokens) >= 2
-    assert httpx.post(real.url + "/detokenize", json={"tokens": tokens[1:]}).json() == {"content": "Hello world"}
+    assert httpx.post(real.url + "/detokenize", json={"tokens": tokens[1:]}).json() == {"content": "Hello world",
+                                                                                        "prompt": "Hello world"}
+
+
+def test_tokenizer_endpoints_answer_as_vllm_for_remote_tokenizers(real):
+    """lm-evaluation-harness tokenizes through a server that answers /tokenizer_info and vLLM's
+    /tokenize fields, so it needs no copy of the tokenizer."""
+    info = httpx.get(real.url + "/tokenizer_info").json()
+    assert (info["bos_token"], info["eos_token"]) == ("<bos>", "<eos>") and "<|turn>" in info["chat_template"]
+    tokens = httpx.post(real.url + "/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()
+    assert tokens["tokens"] == tokens_of(real, "Hello world") and tokens["count"] == len(tokens["tokens"])
+    assert httpx.post(real.url + "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == "Hello world"
+    missing = httpx.post(real.url + "/tokenize", json={"add_special": True})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "content"
+
+
+def tokens_of(server, text: str) -> list[int]:
+    return httpx.post(server.url + "/tokenize", json={"content": text}).json()["tokens"]
 
 
 def test_apply_template_tool_round_trip(real):

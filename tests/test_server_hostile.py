@@ -182,7 +182,8 @@ def _mutate(body, rng: random.Random):
             del out[key]
         elif roll < 0.3:
             out[rng.choice(["stream", "seed", "tools", "tool_choice", "stop", "top_k", "n", "response_format",
-                            "chat_template_kwargs", "stream_options", "\ud800"])] = rng.choice(ODD_VALUES)
+                            "chat_template_kwargs", "stream_options", "logprobs", "top_logprobs", "echo",
+                            "\ud800"])] = rng.choice(ODD_VALUES)
         else:
             out[key] = _mutate(out[key], rng)
         return out

@@ -49,9 +49,9 @@ import xgrammar
 from qat4.chat.call_grammar import CallGrammar, literal
 from qat4.chat.markup import CALL_CLOSE, CALL_OPEN, STRING_DELIM, THOUGHT_CLOSE, THOUGHT_OPEN
 from qat4.errors import Qat4Error
+from qat4.tokenizer import piece_bytes
 
 _CALL_MARKERS = (CALL_OPEN, CALL_CLOSE, STRING_DELIM)
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _UNUSED_TOKEN = re.compile(r"<unused\d+>")
 COMPILED_CACHE = 64  # compiled grammars kept per tokenizer, least recently used out first
 # The thought channel's markers in the "thought" view, and the optional thought block before JSON in it.
@@ -191,8 +191,7 @@ def _vocabularies(tokenizer) -> dict[str, list[bytes]]:
             markup = piece.encode() if piece in _CALL_MARKERS else b""
             thought = _SPELLED[piece].encode() if piece in _SPELLED else b""
         else:
-            byte = _BYTE_TOKEN.fullmatch(piece)
-            text = markup = thought = bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode()
+            text = markup = thought = piece_bytes(piece)
         views["text"].append(text)
         views["markup"].append(markup)
         views["thought"].append(thought)

@@ -8,7 +8,9 @@ returns them: the host enqueues step n + 1 before it waits for step n, so the GP
 Python. :meth:`Engine.generate`, :meth:`Engine.stream` and :meth:`Engine.logits` are thin loops
 over that for one request at a time. A request may carry a grammar (``constraint``,
 :mod:`qat4.engine.sequence`): its rows pick under a token mask that the engine fills on the host
-before each launch (:meth:`qat4.engine.model_runner.ModelRunner.set_allowed`). Decode GEMV tilings saved for this GPU by
+before each launch (:meth:`qat4.engine.model_runner.ModelRunner.set_allowed`). A request may ask
+for ``logprobs`` (:mod:`qat4.engine.logprobs`): the steps it is in score every row, and
+:meth:`Engine.prompt_logprobs` scores a prompt's own tokens. Decode GEMV tilings saved for this GPU by
 :meth:`Engine.tune_decode` (``qat4 bench --tune``) are pinned at load.
 """
 
@@ -26,6 +28,7 @@ import torch
 from qat4.checkpoint.packed_model import PackedModel
 from qat4.engine.config import EngineConfig
 from qat4.engine.kv_cache import KVPool, PoolExhausted
+from qat4.engine.logprobs import TOP_LOGPROBS, TokenLogprobs, read_scores, score, score_buffers
 from qat4.engine.memory import MIB, Plan, cap_text, model_nbytes, plan
 from qat4.engine.model_runner import ModelRunner, bitmask_width
 from qat4.engine.sampler import SamplingParams
@@ -40,6 +43,11 @@ from qat4.ops.w4.tiling import forget_matvec_tilings, matvec_tilings, pin_matvec
 # Token counts that reach every kernel choice of qat4.ops.w4.dispatch (the GEMV, the batch kernel's
 # row blocks of 16, 32, 64 and 128, the prefill GEMM) and of the attention tiles (decode, prefill).
 WARM_TOKENS = (1, 3, 17, 33, 65, 129)
+
+
+class PoolBusy(Qat4Error):
+    """The KV pool has no room for a prompt read alone (:meth:`Engine.logits`) beside the running
+    sequences; it will have once they are done."""
 
 
 @dataclass
@@ -73,6 +81,7 @@ class StepOutput:
     seq: Sequence
     token: int
     finished: bool
+    logprobs: TokenLogprobs | None = None  # when the sequence asks for logprobs
 
 
 class Engine:
@@ -258,7 +267,7 @@ class Engine:
         if not self.runner.use_graph:
             raise Qat4Error("decode tuning times CUDA-graph replays; it needs a CUDA device with cuda_graph on")
         self.drain()
-        tilings, before, after = tune_decode_tilings(self.runner, (1, 1, 1, False), replays)
+        tilings, before, after = tune_decode_tilings(self.runner, (1, 1, 1, False, False), replays)
         self.runner.graphs.clear()  # every graph holds the tilings from before
         self._capture_graphs()
         return before, after, save_tilings(tilings, self.device, self.dtype)
@@ -319,16 +328,21 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], max_new_tokens: int = 256, temperature: float | None = None,
                     top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                    stop_token_ids: list[int] | None = None, constraint: TokenConstraint | None = None) -> Sequence:
+                    stop_token_ids: list[int] | None = None, constraint: TokenConstraint | None = None,
+                    logprobs: int | None = None) -> Sequence:
         """Queue a generation; :meth:`step` runs it. ``constraint`` limits the tokens it may pick
-        (a grammar, see :meth:`json_constraint`). Raises Qat4Error at once for a request that can
-        never run (bad prompt or options, more than the context or the pool holds)."""
+        (a grammar, see :meth:`json_constraint`); ``logprobs`` (0 to TOP_LOGPROBS) keeps each
+        token's logprob and that many most likely tokens (``Sequence.token_logprobs``). Raises
+        Qat4Error at once for a request that can never run (bad prompt or options, more than the
+        context or the pool holds)."""
         ids = self.encode(prompt)
         params = self.sampling_params(temperature, top_k, top_p)
         self.check_request(len(ids), max_new_tokens)
+        if logprobs is not None and not 0 <= logprobs <= TOP_LOGPROBS:
+            raise Qat4Error(f"logprobs is {logprobs}; it must be between 0 and {TOP_LOGPROBS}")
         stops = frozenset(self.stop_token_ids if stop_token_ids is None else stop_token_ids)
         seq = Sequence(ids, params, secrets.randbits(63) if seed is None else seed % (1 << 63), max_new_tokens, stops,
-                       constraint=constraint)
+                       constraint=constraint, logprobs=logprobs)
         self.scheduler.add(seq)
         return seq
 
@@ -383,8 +397,12 @@ class Engine:
 
     def _draft_length(self, decoding: list[Sequence]) -> int:
         """Drafts per sequence for the next step: none while a decoding sequence is constrained
-        (a draft would be picked without the mask of the tokens before it)."""
-        return 0 if any(s.constraint is not None for s in decoding) else self.speculator.draft_length(decoding)
+        (a draft would be picked without the mask of the tokens before it) or wants logprobs (its
+        scored steps keep to the graphs of one row per sequence, which are captured when first
+        used, rather than scored verifying graphs for every draft length)."""
+        if any(s.constraint is not None or s.logprobs is not None for s in decoding):
+            return 0
+        return self.speculator.draft_length(decoding)
 
     def _speculative_step(self) -> list[StepOutput]:
         outputs = self._collect(self._in_flight) if self._in_flight is not None else []
@@ -414,14 +432,15 @@ class Engine:
                 self.runner.set_sampling(seq.slot, seq.params, seq.seed)
                 seq.new_slot = False
         sampled = [i for i, (seq, n) in enumerate(batch.prefill) if seq.num_computed + n == seq.length and seq.wants_token]
-        masked = [s for s in [*batch.decode, *(batch.prefill[i][0] for i in sampled)] if s.masked]
+        picking = [*batch.decode, *(batch.prefill[i][0] for i in sampled)]
+        masked = [s for s in picking if s.masked]
         if masked:
             bitmasks = torch.empty(len(masked), bitmask_width(self.config.vocab_size), dtype=torch.int32)
             for row, seq in enumerate(masked):
                 seq.constraint.fill(bitmasks, row)
             self.runner.set_allowed([s.slot for s in masked], bitmasks)
         launched = self.runner.launch(batch.decode, self.runner.keep_for(batch.decode), batch.prefill, sampled,
-                                      masked=bool(masked))
+                                      masked=bool(masked), scored=any(s.logprobs is not None for s in picking))
         for seq in batch.decode:
             seq.num_computed += 1
             seq.pending += 1
@@ -436,18 +455,20 @@ class Engine:
         those the target agreed with and the target's token after them, and its KV counts only
         their positions (the next step writes over the rest)."""
         tokens = launched.read()
+        scores = launched.logprobs(tokens)
         now = time.perf_counter()
         outputs = []
-        for seq, drafts, picked in zip(launched.seqs, launched.drafts, tokens):
+        for seq, drafts, picked, logprobs in zip(launched.seqs, launched.drafts, tokens, scores):
             if seq.finished or seq.drop_stale():  # aborted, ended by the token before, or picked unmasked
                 continue
             kept = accepted_count(drafts, picked)
             seq.num_computed += kept
             seq.pending += kept
             taken = 0
-            for token in picked[: kept + 1]:
-                done = seq.accept(token, now)
-                outputs.append(StepOutput(seq, token, done))
+            for j, token in enumerate(picked[: kept + 1]):
+                scored = None if logprobs is None else logprobs[j]
+                done = seq.accept(token, now, scored)
+                outputs.append(StepOutput(seq, token, done, scored))
                 taken += 1
                 if done:
                     self.scheduler.finish(seq, seq.finish_reason)
@@ -460,8 +481,33 @@ class Engine:
 
     @torch.no_grad()
     def logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Softcapped logits [len, V] fp32 of a fresh sequence, every position (one full prefill,
-        in chunks of prefill_chunk), beside whatever else the engine runs."""
+        """Softcapped logits [len, V] fp32 of a fresh sequence, every position (:meth:`_read_alone`)."""
+        return self.model.logits(self._read_alone(token_ids))
+
+    @torch.no_grad()
+    def prompt_logprobs(self, token_ids: list[int], k: int) -> list[TokenLogprobs | None]:
+        """For each token of a prompt after the first: its log-probability given the tokens before
+        it and the k (0 to TOP_LOGPROBS) most likely tokens there, under the logits that
+        :meth:`logits` gives, scored max_num_seqs positions at a time (a decode step's logits);
+        None for the first token, which nothing predicts."""
+        if not 0 <= k <= TOP_LOGPROBS:
+            raise Qat4Error(f"k is {k}; it must be between 0 and {TOP_LOGPROBS}")
+        ids = self.encode(list(token_ids))
+        hidden = self._read_alone(ids)
+        scored: list[TokenLogprobs | None] = [None]
+        for start in range(0, len(ids) - 1, self.max_num_seqs):
+            following = ids[start + 1 : start + 1 + self.max_num_seqs]
+            scores = score_buffers(len(following), self.runner.top, self.device)
+            score(self.model.logits(hidden[start : start + len(following)]),
+                  torch.tensor(following, device=self.device), scores)
+            values, top = (t.tolist() for t in scores)
+            scored += [read_scores(token, v, i, k) for token, v, i in zip(following, values, top)]
+        return scored
+
+    def _read_alone(self, token_ids: list[int]) -> torch.Tensor:
+        """Final-normed hidden states [len, D] of a fresh sequence, every position (one full
+        prefill, in chunks of prefill_chunk), beside whatever else the engine runs; PoolBusy when
+        the KV pool has no room for it beside the running sequences."""
         ids = self.encode(list(token_ids))
         if len(ids) > self.max_ctx:
             raise Qat4Error(f"{len(ids)} tokens are more than the context of {self.max_ctx} (max_ctx)")
@@ -477,12 +523,12 @@ class Engine:
                 hidden.append(self.runner.forward_chunks([(seq, n)])[0])
                 seq.num_computed += n
         except PoolExhausted:
-            raise Qat4Error(f"the KV pool has no room for {len(ids)} more tokens beside the sequences running; "
-                            "call logits when they are done") from None
+            raise PoolBusy(f"the KV pool has no room for {len(ids)} more tokens beside the sequences running; "
+                           "read the prompt when they are done") from None
         finally:
             if seq.slot is not None:
                 self.pool.close_slot(seq.slot)
-        return self.model.logits(torch.cat(hidden))
+        return torch.cat(hidden)
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 256, temperature: float | None = None,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,

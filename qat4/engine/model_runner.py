@@ -33,7 +33,11 @@ bitmask (``allowed``, all ones until a grammar-constrained sequence's step write
 :meth:`ModelRunner.set_allowed`). A step with a constrained row runs its *masked* variant (its own
 graphs, keyed by ``masked``): logits for every row, the disallowed tokens of each row at -inf, then
 the per-row sampler, where a greedy row takes the argmax of its masked logits. Steps without one
-keep the fused argmax of greedy rows, so unconstrained decoding runs exactly as before. With ``keep_hidden`` (the MTP drafter,
+keep the fused argmax of greedy rows, so unconstrained decoding runs exactly as before. Likewise a
+step with a row that asks for logprobs runs its *scored* variant (graphs keyed by ``scored`` too,
+independent of ``masked``): logits for every row, and per row the picked token's log-probability
+and the most likely tokens (:mod:`qat4.engine.logprobs`, of the logits before any mask) into
+buffers copied to pinned host buffers beside the tokens. With ``keep_hidden`` (the MTP drafter,
 :mod:`qat4.engine.mtp`) each step also keeps, per slot, the final-normed hidden state that picked
 the sequence's newest token (``last_hidden``): a decode row's, a prompt's last row's, or in a
 verifying step the row of the last draft the target agreed with.
@@ -46,6 +50,7 @@ from collections.abc import Callable
 import torch
 
 from qat4.engine.kv_cache import KVPool, to_device
+from qat4.engine.logprobs import TokenLogprobs, read_scores, score, score_buffers, top_width
 from qat4.engine.sampler import SamplingParams, keep_shape, mask_logits, sample, uniforms
 from qat4.engine.sequence import Sequence
 from qat4.model import ForwardBatch, Gemma4
@@ -97,26 +102,46 @@ def capture_graph(run: Callable[[], None], device: torch.device, pool=None) -> t
 class StepTokens:
     """The tokens a launched step samples for each of its sequences (decode rows, then prompt rows
     that finished their prompt), readable once the device has produced them: one per sequence, or
-    1 + k for a decoding sequence that fed k drafts (``drafts``, as launched)."""
+    1 + k for a decoding sequence that fed k drafts (``drafts``, as launched). A scored step also
+    brings back each row's logprobs (``scores``: host buffers of logprobs [N, 1 + K] and ids [N, K])."""
 
     def __init__(self, seqs: list[Sequence], drafts: list[list[int]], host: torch.Tensor,
-                 event: torch.cuda.Event | None):
-        self.seqs, self.drafts, self._host, self._event = seqs, drafts, host, event
+                 event: torch.cuda.Event | None, scores: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.seqs, self.drafts, self._host, self._event, self._scores = seqs, drafts, host, event, scores
 
     @property
     def verifies(self) -> bool:
         """Whether the step fed drafts (how many of its tokens count is known only once read)."""
         return any(self.drafts)
 
+    @property
+    def _rows(self) -> int:
+        return sum(1 + len(d) for d in self.drafts)
+
+    def _spans(self) -> list[tuple[int, int]]:
+        """(first row, rows) of each sequence in the step's flat tokens."""
+        spans, i = [], 0
+        for d in self.drafts:
+            spans.append((i, 1 + len(d)))
+            i += 1 + len(d)
+        return spans
+
     def read(self) -> list[list[int]]:
         if self._event is not None:
             self._event.synchronize()
-        flat = self._host[: sum(1 + len(d) for d in self.drafts)].tolist()
-        out, i = [], 0
-        for d in self.drafts:
-            out.append(flat[i : i + 1 + len(d)])
-            i += 1 + len(d)
-        return out
+        flat = self._host[: self._rows].tolist()
+        return [flat[i : i + n] for i, n in self._spans()]
+
+    def logprobs(self, tokens: list[list[int]]) -> list[list[TokenLogprobs] | None]:
+        """Once read, per sequence: the TokenLogprobs of its ``tokens`` (as :meth:`read` gave them)
+        with as many top tokens as it asks for (``Sequence.logprobs``); None for a sequence that
+        asks for none, and for every one of a step that was not scored."""
+        if self._scores is None:
+            return [None] * len(self.seqs)
+        values, ids = (t[: self._rows].tolist() for t in self._scores)
+        return [None if seq.logprobs is None else
+                [read_scores(token, values[i + j], ids[i + j], seq.logprobs) for j, token in enumerate(picked)]
+                for seq, (i, _), picked in zip(self.seqs, self._spans(), tokens)]
 
 
 class ModelRunner:
@@ -146,10 +171,15 @@ class ModelRunner:
         self._meta = torch.zeros(3, rows, dtype=torch.int64, device=dev)  # ids (-1: on device), positions, slots
         self._cu_q = torch.arange(max_num_seqs + 1, dtype=torch.int64, device=dev)
         self._decoded = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.top = top_width(self.vocab_size)  # most likely tokens of a scored row
+        self._scores = score_buffers(rows, self.top, dev)  # decode rows' logprobs [rows, 1 + top], ids [rows, top]
         pinned = dev.type == "cuda"
         self._host = [torch.zeros(rows + max_num_seqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._host_scores = [score_buffers(rows + max_num_seqs, self.top, torch.device("cpu"), pinned)
+                             for _ in range(2)]
         self._turn = 0
-        self.graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, q, keep, masked)
+        # (batch size, q, keep, masked, scored)
+        self.graphs: dict[tuple[int, int, int, bool, bool], torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
         # padded prompt steps: ids, positions, slots [3, T]; for S sequences cu_q [S + 1], their
         # table rows [S], the rows that pick [S] and the slots they pick for [S]; the picked tokens
@@ -159,9 +189,10 @@ class ModelRunner:
         self._chunk_meta = torch.zeros(3, width, dtype=torch.int64, device=dev)
         self._chunk_seqs = torch.zeros(4 * self.chunk_seqs(width) + 1, dtype=torch.int64, device=dev)
         self._chunk_tokens = torch.zeros(self.chunk_seqs(width), dtype=torch.int64, device=dev)
-        # (padded tokens, sequences, keep; 0: no pick, masked) -> graph, or None once run eagerly
-        # without graphs
-        self.chunk_graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph | None] = {}
+        self._chunk_scores = score_buffers(self.chunk_seqs(width), self.top, dev)
+        # (padded tokens, sequences, keep; 0: no pick, masked, scored) -> graph, or None once run
+        # eagerly without graphs
+        self.chunk_graphs: dict[tuple[int, int, int, bool, bool], torch.cuda.CUDAGraph | None] = {}
 
     # ---- per-slot state ------------------------------------------------------------------------
 
@@ -191,17 +222,23 @@ class ModelRunner:
         return ForwardBatch(seqs, {kind: self.pool.store_rows(kind, slots, positions) for kind in self.pool.tables})
 
     def pick(self, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, keep: int,
-             masked: bool = False) -> torch.Tensor:
+             masked: bool = False, scores: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Next token [R] of hidden rows h [R, D] whose tokens sit at ``positions`` [R] in the
-        sequences of ``slots`` [R]: the fused argmax when every row is greedy (keep 1) and none is
-        ``masked``, else the logits (with each slot's disallowed tokens at -inf when masked) and
-        per-row sampling with each slot's parameters."""
-        if keep == 1 and not masked:
+        sequences of ``slots`` [R]: the fused argmax when every row is greedy (keep 1), none is
+        ``masked`` and none is scored, else the logits (with each slot's disallowed tokens at -inf
+        when masked) and per-row sampling with each slot's parameters. With ``scores`` (buffers
+        of R rows, :func:`qat4.engine.logprobs.score_buffers`) each row's token is scored there
+        under its unmasked logits."""
+        if keep == 1 and not masked and scores is None:
             return self.model.argmax(h)
         logits = self.model.logits(h)
+        unmasked = logits.clone() if masked and scores is not None else logits
         if masked:
             mask_logits(logits, self.allowed[slots])
-        return self.sample(logits, slots, positions, keep)
+        tokens = self.sample(logits, slots, positions, keep)
+        if scores is not None:
+            score(unmasked, tokens, scores)
+        return tokens
 
     def sample(self, logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
         """Per-row sampling of logits [R, V] with the parameters of ``slots`` [R], drawing for the
@@ -209,16 +246,18 @@ class ModelRunner:
         draws = uniforms(self.seed[slots], positions + 1)
         return sample(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], draws, keep)
 
-    def _decode(self, b: int, q: int, keep: int, masked: bool) -> None:
+    def _decode(self, b: int, q: int, keep: int, masked: bool, scored: bool) -> None:
         """The decode rows of ``_meta[:, :b * q]``, q consecutive positions for each of b
-        sequences: forward, pick a token at every row, the tokens into ``_decoded`` and, with one
-        row per sequence, into ``last_token`` (what a graph captures)."""
+        sequences: forward, pick a token at every row, the tokens into ``_decoded`` (``scored``:
+        their scores into ``_scores``) and, with one row per sequence, into ``last_token`` (what a
+        graph captures)."""
         ids, positions, slots = self._meta[:, : b * q]
         ids = torch.where(ids >= 0, ids, self.last_token[slots])
         rows = slots if q == 1 else slots[::q].contiguous()
         batch = self._batch(slots, positions, self._cu_q[: b + 1] * q, rows, q, self.max_ctx)
         h = self.model.forward(ids, positions, self.pool, batch)
-        tokens = self.pick(h, slots, positions, keep, masked)
+        tokens = self.pick(h, slots, positions, keep, masked,
+                           tuple(t[: b * q] for t in self._scores) if scored else None)
         if q == 1:
             self.last_token.index_copy_(0, slots, tokens)
         if self.last_hidden is not None:
@@ -246,30 +285,32 @@ class ModelRunner:
         """The batch size whose graph serves n sequences (n itself without graphs)."""
         return next(b for b in self.sizes if b >= n) if self.use_graph else n
 
-    def capture(self, b: int, q: int, keep: int, masked: bool = False) -> None:
-        """Capture the decode graph of batch size b, q rows per sequence, sampling shape keep and
-        masking or not, if not yet captured: two eager runs first (they compile and tune the
-        kernels), every row on the scratch row."""
-        if not self.use_graph or (b, q, keep, masked) in self.graphs:
+    def capture(self, b: int, q: int, keep: int, masked: bool = False, scored: bool = False) -> None:
+        """Capture the decode graph of batch size b, q rows per sequence, sampling shape keep,
+        masking or not and scoring or not, if not yet captured: two eager runs first (they compile
+        and tune the kernels), every row on the scratch row."""
+        if not self.use_graph or (b, q, keep, masked, scored) in self.graphs:
             return
         self._meta[:, : b * q] = torch.tensor([[0], [0], [self.pool.scratch_row]], device=self.device)
-        graph = capture_graph(lambda: self._decode(b, q, keep, masked), self.device, self._graph_pool)
+        graph = capture_graph(lambda: self._decode(b, q, keep, masked, scored), self.device, self._graph_pool)
         self._graph_pool = graph.pool()
-        self.graphs[(b, q, keep, masked)] = graph
+        self.graphs[(b, q, keep, masked, scored)] = graph
 
-    def replay(self, b: int, q: int, keep: int, masked: bool = False) -> None:
+    def replay(self, b: int, q: int, keep: int, masked: bool = False, scored: bool = False) -> None:
         """Run the decode rows now in ``_meta`` (a captured graph, or eagerly without graphs)."""
         if self.use_graph:
-            self.graphs[(b, q, keep, masked)].replay()
+            self.graphs[(b, q, keep, masked, scored)].replay()
         else:
-            self._decode(b, q, keep, masked)
+            self._decode(b, q, keep, masked, scored)
 
-    def run_decode(self, seqs: list[Sequence], keep: int, masked: bool = False) -> torch.Tensor:
+    def run_decode(self, seqs: list[Sequence], keep: int, masked: bool = False,
+                   scored: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Enqueue the decode rows of ``seqs``: each one's newest position, then its drafts (every
-        sequence has as many). Returns their tokens [n * (1 + drafts)], sequence by sequence."""
+        sequence has as many). Returns their tokens [n * (1 + drafts)], sequence by sequence, and
+        with ``scored`` their scores (:func:`qat4.engine.logprobs.score_buffers`, as many rows)."""
         n, b, k = len(seqs), self.padded(len(seqs)), len(seqs[0].drafts)
         q = k + 1
-        self.capture(b, q, keep, masked)  # before the rows go in: a capture runs on the scratch row
+        self.capture(b, q, keep, masked, scored)  # before the rows go in: a capture runs on the scratch row
         pad = (b - n) * q
         ids, positions, slots = [], [], []
         for s in seqs:
@@ -278,8 +319,8 @@ class ModelRunner:
             slots += [s.slot] * q
         rows = [ids + [0] * pad, positions + [0] * pad, slots + [self.pool.scratch_row] * pad]
         self._meta[:, : b * q].copy_(to_device(torch.tensor(rows, dtype=torch.int64), self.device))
-        self.replay(b, q, keep, masked)
-        return self._decoded[: n * q]
+        self.replay(b, q, keep, masked, scored)
+        return self._decoded[: n * q], tuple(t[: n * q] for t in self._scores) if scored else None
 
     def forward_chunks(self, chunks: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor,
                                                                            torch.Tensor]:
@@ -300,30 +341,33 @@ class ModelRunner:
         batch = self._batch(flat[2], flat[1], seq_meta[: len(cu)], seq_meta[len(cu) :], max_q, max_keys)
         return self.model.forward(flat[0], flat[1], self.pool, batch), flat[1], flat[2]
 
-    def run_prefill(self, chunks: list[tuple[Sequence, int]], sampled: list[int], masked: bool = False) -> torch.Tensor:
+    def run_prefill(self, chunks: list[tuple[Sequence, int]], sampled: list[int], masked: bool = False,
+                    scored: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Enqueue prompt chunks; the last row of the chunks listed in ``sampled`` (indices into
         chunks) picks its sequence's next token (``masked``: with the slots' allowed tokens).
-        Returns those tokens [len(sampled)]."""
+        Returns those tokens [len(sampled)] and with ``scored`` their scores (None when no row picks)."""
         keep = self.keep_for([chunks[i][0] for i in sampled]) if sampled else 0
+        scored = scored and bool(sampled)
         total = sum(n for _, n in chunks)
         padded = next((t for t in self.chunk_sizes if t >= total), None)
         if padded is not None:
-            return self._replay_chunks(chunks, sampled, padded, keep, masked)
+            return self._replay_chunks(chunks, sampled, padded, keep, masked, scored)
         if not sampled:
             self.forward_chunks(chunks)
-            return torch.zeros(0, dtype=torch.int64, device=self.device)
+            return torch.zeros(0, dtype=torch.int64, device=self.device), None
         cu = [0]
         for _, n in chunks:
             cu.append(cu[-1] + n)
         ends = to_device(torch.tensor([cu[i + 1] - 1 for i in sampled]), self.device)
         h, positions, slots = self.forward_chunks(chunks)
-        return self._pick_ends(h, positions, ends, slots[ends], keep, masked)
+        scores = score_buffers(len(sampled), self.top, self.device) if scored else None
+        return self._pick_ends(h, positions, ends, slots[ends], keep, masked, scores), scores
 
     def _pick_ends(self, h: torch.Tensor, positions: torch.Tensor, ends: torch.Tensor, slots: torch.Tensor,
-                   keep: int, masked: bool) -> torch.Tensor:
+                   keep: int, masked: bool, scores: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The tokens the rows ``ends`` [S] of a prompt step pick for ``slots`` [S], into those
-        slots' last_token (and last_hidden)."""
-        tokens = self.pick(h[ends], slots, positions[ends], keep, masked)
+        slots' last_token (and last_hidden); with ``scores``, their scores there."""
+        tokens = self.pick(h[ends], slots, positions[ends], keep, masked, scores)
         self.last_token.index_copy_(0, slots, tokens)
         if self.last_hidden is not None:
             self.last_hidden.index_copy_(0, slots, h[ends])
@@ -339,20 +383,22 @@ class ModelRunner:
         f = self._chunk_seqs
         return f[: s + 1], f[s + 1 : 2 * s + 1], f[2 * s + 1 : 3 * s + 1], f[3 * s + 1 : 4 * s + 1]
 
-    def _chunk(self, t: int, s: int, keep: int, masked: bool) -> None:
+    def _chunk(self, t: int, s: int, keep: int, masked: bool, scored: bool) -> None:
         """The padded prompt step in ``_chunk_meta[:, :t]`` and ``_chunk_fields(s)``: forward, and
-        with keep > 0 the s picks into ``_chunk_tokens`` (what a graph captures)."""
+        with keep > 0 the s picks into ``_chunk_tokens`` (``scored``: their scores into
+        ``_chunk_scores``; what a graph captures)."""
         ids, positions, slots = self._chunk_meta[:, :t]
         cu_q, rows, ends, picks = self._chunk_fields(s)
         h = self.model.forward(ids, positions, self.pool, self._batch(slots, positions, cu_q, rows, t, self.max_ctx))
         if keep:
-            self._chunk_tokens[:s].copy_(self._pick_ends(h, positions, ends, picks, keep, masked))
+            scores = tuple(b[:s] for b in self._chunk_scores) if scored else None
+            self._chunk_tokens[:s].copy_(self._pick_ends(h, positions, ends, picks, keep, masked, scores))
 
-    def capture_chunk(self, t: int, s: int, keep: int, masked: bool = False) -> None:
+    def capture_chunk(self, t: int, s: int, keep: int, masked: bool = False, scored: bool = False) -> None:
         """Capture the graph of a prompt step padded to t tokens for up to s sequences, picking
-        with sampling shape keep (0: no pick), masked or not, if not yet captured, every row on
-        the scratch row; without graphs, run it once there (which compiles its kernels)."""
-        if (t, s, keep, masked) in self.chunk_graphs:
+        with sampling shape keep (0: no pick), masked or not, scored or not, if not yet captured,
+        every row on the scratch row; without graphs, run it once there (which compiles its kernels)."""
+        if (t, s, keep, masked, scored) in self.chunk_graphs:
             return
         scratch = self.pool.scratch_row
         self._chunk_meta[:, :t] = torch.stack([torch.zeros(t, dtype=torch.int64), torch.arange(t),
@@ -360,18 +406,19 @@ class ModelRunner:
         self._chunk_seqs[: 4 * s + 1].copy_(torch.tensor([0] + [t] * s + [scratch] * s + [t - 1] * s + [scratch] * s))
         graph = None
         if self.use_graph:
-            graph = capture_graph(lambda: self._chunk(t, s, keep, masked), self.device, self._graph_pool)
+            graph = capture_graph(lambda: self._chunk(t, s, keep, masked, scored), self.device, self._graph_pool)
             self._graph_pool = graph.pool()
         else:
-            self._chunk(t, s, keep, masked)
-        self.chunk_graphs[(t, s, keep, masked)] = graph
+            self._chunk(t, s, keep, masked, scored)
+        self.chunk_graphs[(t, s, keep, masked, scored)] = graph
 
     def _replay_chunks(self, chunks: list[tuple[Sequence, int]], sampled: list[int], t: int, keep: int,
-                       masked: bool) -> torch.Tensor:
+                       masked: bool, scored: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Prompt chunks (sequence, tokens from ``num_computed`` on) padded to t tokens, replayed
-        from their graph (or run eagerly without graphs); the picks of ``sampled`` come first."""
+        from their graph (or run eagerly without graphs); the picks of ``sampled`` come first.
+        Returns as :meth:`run_prefill`."""
         s = 1 if len(chunks) == 1 else self.chunk_seqs(t)
-        self.capture_chunk(t, s, keep, masked)
+        self.capture_chunk(t, s, keep, masked, scored)
         scratch = self.pool.scratch_row
         ids, positions, slots, cu, rows = [], [], [], [0], []
         for seq, n in chunks:
@@ -388,31 +435,48 @@ class ModelRunner:
         self._chunk_meta[:, :t].copy_(to_device(torch.tensor(meta, dtype=torch.int64), self.device))
         self._chunk_seqs[: 4 * s + 1].copy_(to_device(torch.tensor(fields, dtype=torch.int64), self.device))
         if self.use_graph:
-            self.chunk_graphs[(t, s, keep, masked)].replay()
+            self.chunk_graphs[(t, s, keep, masked, scored)].replay()
         else:
-            self._chunk(t, s, keep, masked)
-        return self._chunk_tokens[: len(sampled)] if keep else torch.zeros(0, dtype=torch.int64, device=self.device)
+            self._chunk(t, s, keep, masked, scored)
+        if not keep:
+            return torch.zeros(0, dtype=torch.int64, device=self.device), None
+        n = len(sampled)
+        return self._chunk_tokens[:n], tuple(b[:n] for b in self._chunk_scores) if scored else None
 
     def launch(self, decode: list[Sequence], decode_keep: int, chunks: list[tuple[Sequence, int]],
-               sampled: list[int], masked: bool = False) -> StepTokens:
+               sampled: list[int], masked: bool = False, scored: bool = False) -> StepTokens:
         """Enqueue a whole step: decode rows, prompt chunks, the tokens' copy to the host;
-        ``masked``: some row picks under its slot's allowed tokens (:meth:`set_allowed`)."""
+        ``masked``: some row picks under its slot's allowed tokens (:meth:`set_allowed`);
+        ``scored``: some row wants logprobs, and every row's scores go to the host too."""
         self.pool.flush()
-        parts, seqs = [], []
+        parts, scores, seqs = [], [], []
         if decode:
-            parts.append(self.run_decode(decode, decode_keep, masked))
+            tokens, decode_scores = self.run_decode(decode, decode_keep, masked, scored)
+            parts.append(tokens)
+            scores.append(decode_scores)
             seqs += decode
         if chunks:
-            parts.append(self.run_prefill(chunks, sampled, masked))
+            tokens, chunk_scores = self.run_prefill(chunks, sampled, masked, scored)
+            parts.append(tokens)
+            scores.append(chunk_scores)
             seqs += [chunks[i][0] for i in sampled]
         host = self._host[self._turn]
+        host_scores = self._host_scores[self._turn] if scored else None
         self._turn ^= 1
         event = None
         if seqs:
-            tokens = parts[0] if len(parts) == 1 else torch.cat(parts)
+            tokens = _cat(parts)
             host[: tokens.shape[0]].copy_(tokens, non_blocking=host.is_pinned())
+            if host_scores is not None:  # a part without scores has no rows
+                for buffer, part in zip(host_scores, zip(*(s for s in scores if s is not None))):
+                    buffer[: tokens.shape[0]].copy_(_cat(list(part)), non_blocking=buffer.is_pinned())
             if self.device.type == "cuda":
                 event = torch.cuda.Event()
                 event.record()
         drafts = [list(s.drafts) for s in decode] + [[] for _ in seqs[len(decode) :]]
-        return StepTokens(seqs, drafts, host, event)
+        return StepTokens(seqs, drafts, host, event, host_scores)
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors one after another along their first dimension (the one itself when alone)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

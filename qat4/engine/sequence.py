@@ -16,6 +16,9 @@ mask its tokens so far allow, so while the constraint is active it is not fed ag
 newest token is read back (``awaits_readback``). A constraint that becomes active at a token read
 back (a tool call opened in a free reply) makes the token already launched after it ``stale``: it
 is dropped when read, and its position fed again under the mask.
+
+A sequence that asks for ``logprobs`` keeps, for each output token, its log-probability and that
+many most likely tokens (``token_logprobs``, :mod:`qat4.engine.logprobs`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Protocol
 
 import torch
 
+from qat4.engine.logprobs import TokenLogprobs
 from qat4.engine.prefix import extend_block_hashes
 from qat4.engine.sampler import SamplingParams
 
@@ -84,6 +88,8 @@ class Sequence:
     draft_state: object = field(default=None, repr=False)  # the drafter's per-sequence index
     constraint: TokenConstraint | None = field(default=None, repr=False)  # dropped when the sequence ends
     stale: int = 0  # tokens in flight that were picked before the constraint became active
+    logprobs: int | None = None  # most likely tokens to keep with each token's logprob; None: no logprobs
+    token_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, with logprobs
     _hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
@@ -140,9 +146,10 @@ class Sequence:
         """Names of the blocks whose K/V are all written, for known tokens."""
         return self.block_hashes(block_size, self.num_computed)
 
-    def accept(self, token: int, now: float) -> bool:
-        """Take a token read back from the device; True when it ends the sequence (a stop id or
-        the token limit), with ``finish_reason`` set."""
+    def accept(self, token: int, now: float, logprobs: TokenLogprobs | None = None) -> bool:
+        """Take a token read back from the device (and its logprobs, when the sequence asks for
+        them); True when it ends the sequence (a stop id or the token limit), with
+        ``finish_reason`` set."""
         self.pending -= 1
         if self.constraint is not None:
             was_masked = self.constraint.active
@@ -150,6 +157,8 @@ class Sequence:
             if self.constraint.active and not was_masked:  # the tokens launched after this one were not masked
                 self.stale = self.pending
         self.output.append(token)
+        if logprobs is not None:
+            self.token_logprobs.append(logprobs)
         if len(self.output) == 1:
             self.first_token_at = now
         self.last_token_at = now

@@ -241,7 +241,7 @@ def measure_step_costs(runner, sizes: list[int], qs: range, keep: int = 1) -> di
         for b in sizes:
             for q in qs:
                 place(b, q)
-                costs[(b, q)] = replay_us(runner.graphs[(b, q, keep, False)], 3) * 1e-6
+                costs[(b, q)] = replay_us(runner.graphs[(b, q, keep, False, False)], 3) * 1e-6
         return costs
     by_rows, most = {}, 0.0
     for q in qs:

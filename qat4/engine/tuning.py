@@ -47,9 +47,9 @@ def descend(start: Tilings, candidates: dict[tuple, list[dict]], measure: Callab
     return best, best_value, start_value
 
 
-def step_time_us(runner, key: tuple[int, int, int, bool], replays: int) -> float:
-    """Capture the runner's decode graph for `key` (batch size, rows per sequence, keep, masked) anew with
-    the tilings pinned now and return µs per replay (:func:`replay_us`). A capture writes only the
+def step_time_us(runner, key: tuple[int, int, int, bool, bool], replays: int) -> float:
+    """Capture the runner's decode graph for `key` (batch size, rows per sequence, keep, masked,
+    scored) anew with the tilings pinned now and return µs per replay (:func:`replay_us`). A capture writes only the
     pool's scratch row, so the replays do too."""
     runner.graphs.pop(key, None)
     runner.capture(*key)
@@ -88,10 +88,10 @@ def best_seconds(run: Callable[[], None], device: torch.device, tries: int = 3) 
     return min(timed() for _ in range(tries))
 
 
-def tune_decode_tilings(runner, key: tuple[int, int, int, bool], replays: int = 50,
+def tune_decode_tilings(runner, key: tuple[int, int, int, bool, bool], replays: int = 50,
                         margin: float = 0.01) -> tuple[Tilings, float, float]:
-    """Pick every GEMV tiling of the decode graph `key` (batch size, rows per sequence, keep, masked) by whole-step replay
-    time (module docstring) and pin them.
+    """Pick every GEMV tiling of the decode graph `key` (batch size, rows per sequence, keep, masked,
+    scored) by whole-step replay time (module docstring) and pin them.
 
     Starts from the tilings in use (the autotuner's picks, or those pinned at load). Drops the
     graph for `key` (captured last with a trial tiling): the next capture uses the tilings found.

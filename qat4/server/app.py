@@ -274,9 +274,10 @@ def create_app(engine: Any, *, api_key: str | None = None, max_queue: int = 64,
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         req = await parse(TokenizeRequest, request)
-        completions.limits.check_text(req.content, "content")
-        ids = await asyncio.to_thread(tokenizer.encode, req.content, add_bos=req.add_special)
-        return {"tokens": list(ids)}
+        text, param = req.text()
+        completions.limits.check_text(text, param)
+        ids = await asyncio.to_thread(tokenizer.encode, text, add_bos=req.with_bos())
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": engine.max_ctx}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
@@ -286,7 +287,15 @@ def create_app(engine: Any, *, api_key: str | None = None, max_queue: int = 64,
         if bad is not None:
             raise bad_request(f"Token id {req.tokens[bad]} at tokens[{bad}] is outside the vocabulary of {vocab}.",
                               param=f"tokens[{bad}]")
-        return {"content": await asyncio.to_thread(tokenizer.decode, req.tokens, skip_special=False)}
+        text = await asyncio.to_thread(tokenizer.decode, req.tokens, skip_special=False)
+        return {"content": text, "prompt": text}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        """vLLM's answer: what clients that tokenize through /tokenize need (lm-evaluation-harness)."""
+        return {"tokenizer_class": "GemmaTokenizer", "bos_token": tokenizer.decode([tokenizer.bos_id]),
+                "eos_token": tokenizer.decode([tokenizer.eos_id]), "pad_token": None,
+                "chat_template": tokenizer.chat_template, "model_max_length": engine.max_ctx}
 
     @app.post("/apply-template")
     async def apply_template(request: Request) -> dict[str, Any]:

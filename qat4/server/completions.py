@@ -5,6 +5,12 @@ and tool calls as `tool_calls`, in whole responses and in streamed deltas alike.
 left unfinished (cut off by `max_tokens`) or wrote malformed is still listed in `tool_calls`, its
 `arguments` the text it wrote (not JSON, so clients such as LangChain file it as invalid), and the
 finish reason is then the generation's own (`length`), not `tool_calls`.
+
+Logprobs (:mod:`qat4.server.logprobs`) cover every token of a reply up to a stop token: in a chat
+reply its thinking and tool-call markup too. A text completion's `echo` puts the prompt before its
+text, and with `logprobs` the prompt tokens' logprobs before the text's, scored on the engine
+thread between steps (:meth:`qat4.engine.Engine.prompt_logprobs`); `max_tokens` 0 asks for those
+alone.
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from qat4.chat import Reply, ReplyEvent, ReplyStream
+from qat4.engine.logprobs import TokenLogprobs
 from qat4.errors import Qat4Error
 from qat4.server.chat_prompt import ChatPrompt, build_chat_prompt
 from qat4.server.errors import APIError, bad_request
 from qat4.server.generation import EngineLoop, Finished, Generation, GenerationParams, QueueFull, ShuttingDown
 from qat4.server.limits import RequestLimits
+from qat4.server.logprobs import CompletionLogprobs, TokenTexts
 from qat4.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from qat4.server.structured import chat_constraint, check_constrainable, completion_constraint
 
@@ -38,6 +46,8 @@ class Prepared:
     reply_prefix: str = ""
     thinking: bool = False
     tools: tuple[dict[str, Any], ...] = ()  # the request's function tools, whose schemas guide the call parser's repairs
+    echo: str | None = None  # the prompt text a text completion puts before its own
+    unseen: int = 0  # prompt tokens not in the echoed text (the <bos> put before a text prompt)
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -75,15 +85,21 @@ def _parse_whole(text: str, thinking: bool, tools: tuple[dict[str, Any], ...]) -
     return stream.finish(), [e for e in events if e.kind in _CALL_EVENTS]
 
 
-async def _collect(gen: Generation) -> tuple[str, Finished]:
-    """All the text of a generation, and how it finished."""
+async def _collect(gen: Generation) -> tuple[str, Finished, list[TokenLogprobs]]:
+    """All the text of a generation, how it finished, and its tokens' logprobs (when asked for)."""
     parts: list[str] = []
+    logprobs: list[TokenLogprobs] = []
     async with aclosing(gen.events()) as events:
         async for item in events:
             if isinstance(item, Finished):
-                return "".join(parts), item
-            parts.append(item)
+                return "".join(parts), item, logprobs
+            parts.append(item.text)
+            logprobs += item.logprobs
     raise RuntimeError("the generation ended without finishing")
+
+
+def _unavailable(exc: ShuttingDown) -> APIError:
+    return APIError(503, str(exc), type="server_error", code="shutting_down")
 
 
 def _error_event(exc: Exception) -> dict[str, Any]:
@@ -99,6 +115,7 @@ class Completions:
     def __init__(self, engine: Any, loop: EngineLoop, model_name: str, limits: RequestLimits = RequestLimits()):
         self.engine, self.loop, self.model_name, self.limits = engine, loop, model_name, limits
         self.tokenizer = engine.tokenizer
+        self.texts = TokenTexts(engine.tokenizer)
 
     # ---- requests -> prompt ids ----------------------------------------------------------------
 
@@ -107,7 +124,7 @@ class Completions:
         return self.tokenizer.decode(ids, skip_special=False)
 
     def _params(self, req: SamplingRequest, prompt_n: int, max_tokens: int | None, param: str,
-                prompt_param: str) -> GenerationParams:
+                prompt_param: str, logprobs: int | None) -> GenerationParams:
         """Sampling for the engine; 400 stating both numbers when the prompt and the reply do not fit."""
         room = self.engine.max_ctx - prompt_n
         if max_tokens is None:
@@ -120,11 +137,12 @@ class Completions:
                               f"{prompt_n + max_tokens} in all, but the context holds {self.engine.max_ctx} tokens.",
                               param=param, code="context_length_exceeded")
         try:
-            self.engine.check_request(prompt_n, max_tokens)
+            self.engine.check_request(prompt_n, max(max_tokens, 1))  # 0 (echo alone) still reads the prompt
         except Qat4Error as exc:
             raise bad_request(f"{str(exc)[0].upper()}{str(exc)[1:]}.", param=param, code="context_length_exceeded") from None
         return GenerationParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                              seed=req.seed, stop=tuple(req.stop_strings()), ignore_eos=req.ignore_eos)
+                                seed=req.seed, stop=tuple(req.stop_strings()), ignore_eos=req.ignore_eos,
+                                logprobs=logprobs)
 
     def _encode(self, prompt: str | list[int], param: str) -> list[int]:
         try:
@@ -140,10 +158,13 @@ class Completions:
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         """Render and encode a chat request and check it fits the context (CPU work: call off the loop)."""
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true.", param="top_logprobs")
         prompt = self.render(req)
         ids = self._encode(prompt.text, "messages")
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        params = self._params(req, len(ids), req.token_limit(), param, "messages")
+        params = self._params(req, len(ids), req.token_limit(), param, "messages",
+                              (req.top_logprobs or 0) if req.logprobs else None)
         if prompt.grammar is not None:
             if prompt.grammar.kind == "json" or req.tool_choice not in (None, "auto"):
                 check_constrainable(req, "response_format" if prompt.grammar.kind == "json" else "tool_choice")
@@ -156,10 +177,18 @@ class Completions:
     def prepare_text(self, req: CompletionRequest) -> Prepared:
         """Encode a raw prompt and check it fits the context (CPU work: call off the loop)."""
         self.limits.check_text(req.prompt)
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request("max_tokens is 0, which only echo allows (the prompt alone); ask for at least 1 token.",
+                              param="max_tokens")
         ids = self._encode(req.prompt, "prompt")
-        params = self._params(req, len(ids), req.max_tokens, "max_tokens", "prompt")
+        params = self._params(req, len(ids), req.max_tokens, "max_tokens", "prompt", req.logprobs)
         constraint = completion_constraint(self.tokenizer, self.engine.stop_token_ids, req)
-        return Prepared(ids, dataclasses.replace(params, constraint=constraint), req.include_usage)
+        echo, unseen = None, 0
+        if req.echo:
+            echo = req.prompt if isinstance(req.prompt, str) else self.decode(ids)
+            unseen = int(isinstance(req.prompt, str) and not req.prompt.startswith(self.decode(ids[:1])))
+        return Prepared(ids, dataclasses.replace(params, constraint=constraint), req.include_usage, echo=echo,
+                        unseen=unseen)
 
     def start(self, prepared: Prepared) -> Generation:
         """Queue the generation; 429 with Retry-After when the queue is full, 503 when shutting down."""
@@ -170,7 +199,7 @@ class Completions:
                            type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(exc.retry_after)}) from None
         except ShuttingDown as exc:
-            raise APIError(503, str(exc), type="server_error", code="shutting_down") from None
+            raise _unavailable(exc) from None
 
     # ---- chat ------------------------------------------------------------------------------------
 
@@ -179,7 +208,7 @@ class Completions:
 
     async def chat(self, prepared: Prepared, gen: Generation) -> dict[str, Any]:
         """The whole chat.completion object."""
-        text, done = await _collect(gen)
+        text, done, logprobs = await _collect(gen)
         reply, call_events = _parse_whole(prepared.reply_prefix + text, prepared.thinking, prepared.tools)
         message: dict[str, Any] = {"role": "assistant", "content": reply.content,
                                    "reasoning_content": reply.reasoning}
@@ -187,7 +216,8 @@ class Completions:
             message["tool_calls"] = [_tool_call(event) for event in call_events]
         reason = _finish_reason(done, len(reply.tool_calls), len(reply.invalid_tool_calls))
         return {**self._envelope("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", int(time.time())),
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}],
+                "choices": [{"index": 0, "message": message, "logprobs": self._chat_logprobs(prepared, logprobs),
+                             "finish_reason": reason}],
                 "usage": _usage(done), "timings": done.timings.as_dict()}
 
     async def chat_stream(self, prepared: Prepared, gen: Generation) -> AsyncIterator[str]:
@@ -196,8 +226,13 @@ class Completions:
         error event before [DONE]."""
         head = self._envelope("chat.completion.chunk", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
 
+        scored: list[TokenLogprobs] = []  # the logprobs of tokens read and not yet sent
+
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
-            return sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra})
+            logprobs = self._chat_logprobs(prepared, scored) if scored else None
+            scored.clear()
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return sse({**head, "choices": [choice], **extra})
 
         parser, calls, invalid_calls, done = ReplyStream(prepared.thinking, prepared.tools), 0, 0, None
         try:
@@ -208,7 +243,8 @@ class Completions:
                     if isinstance(item, Finished):
                         done, parsed = item, parsed + parser.flush()
                     else:
-                        parsed += parser.feed(item)
+                        parsed += parser.feed(item.text)
+                        scored += item.logprobs
                     for event in parsed:
                         if event.kind in _CALL_EVENTS:
                             yield chunk({"tool_calls": [_tool_call(event, calls + invalid_calls)]})
@@ -225,23 +261,59 @@ class Completions:
             yield sse(_error_event(exc))
         yield sse("[DONE]")
 
+    def _chat_logprobs(self, prepared: Prepared, scored: list[TokenLogprobs]) -> dict[str, Any] | None:
+        """A chat choice's or chunk's `logprobs`: of these tokens when the request asks for them."""
+        return None if prepared.params.logprobs is None else self.texts.chat(scored)
+
     # ---- text ------------------------------------------------------------------------------------
+
+    async def _echoed(self, prepared: Prepared, logprobs: CompletionLogprobs | None) -> tuple[str, dict | None]:
+        """The text a completion starts with (the prompt, with echo) and its tokens' logprobs
+        (with echo and logprobs; else None)."""
+        if prepared.echo is None:
+            return "", None
+        if logprobs is None:
+            return prepared.echo, None
+        ids, k = prepared.prompt_ids, prepared.params.logprobs
+        try:
+            scored = await self.loop.call(lambda engine: engine.prompt_logprobs(ids, k))
+        except ShuttingDown as exc:
+            raise _unavailable(exc) from None
+        return prepared.echo, logprobs.of(ids, scored)
+
+    def _text_logprobs(self, prepared: Prepared) -> CompletionLogprobs | None:
+        """The builder of a completion's `logprobs` objects, when the request asks for them."""
+        return None if prepared.params.logprobs is None else CompletionLogprobs(self.texts, prepared.unseen)
 
     async def text(self, prepared: Prepared, gen: Generation) -> dict[str, Any]:
         """The whole text_completion object."""
-        text, done = await _collect(gen)
+        builder = self._text_logprobs(prepared)
+        echoed, prompt_logprobs = await self._echoed(prepared, builder)
+        text, done, scored = await _collect(gen)
+        logprobs = None
+        if builder is not None:
+            logprobs = builder.of([e.token for e in scored], scored)
+            if prompt_logprobs is not None:
+                logprobs = {key: prompt_logprobs[key] + logprobs[key] for key in logprobs}
         return {**self._envelope("text_completion", f"cmpl-{uuid.uuid4().hex}", int(time.time())),
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}],
+                "choices": [{"index": 0, "text": echoed + text, "logprobs": logprobs,
+                             "finish_reason": done.finish_reason}],
                 "usage": _usage(done), "timings": done.timings.as_dict()}
 
     async def text_stream(self, prepared: Prepared, gen: Generation) -> AsyncIterator[str]:
-        """text_completion chunks, the usage (when asked) and [DONE]."""
+        """text_completion chunks (the first the echoed prompt, with echo), the usage (when
+        asked) and [DONE]."""
         head = self._envelope("text_completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()))
+        builder = self._text_logprobs(prepared)
 
-        def chunk(text: str, finish: str | None = None, **extra: Any) -> str:
-            return sse({**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **extra})
+        def chunk(text: str, finish: str | None = None, logprobs: dict | None = None, **extra: Any) -> str:
+            return sse({**head, "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+                        **extra})
 
         try:
+            echoed, prompt_logprobs = await self._echoed(prepared, builder)
+            if prepared.echo is not None:
+                yield chunk(echoed, logprobs=prompt_logprobs)
             async with aclosing(gen.events()) as events:
                 async for item in events:
                     if isinstance(item, Finished):
@@ -249,7 +321,9 @@ class Completions:
                         if prepared.include_usage:
                             yield sse({**head, "choices": [], "usage": _usage(item)})
                     else:
-                        yield chunk(item)
+                        logprobs = None if builder is None else builder.of([e.token for e in item.logprobs],
+                                                                           item.logprobs)
+                        yield chunk(item.text, logprobs=logprobs)
         except Exception as exc:
             yield sse(_error_event(exc))
         yield sse("[DONE]")

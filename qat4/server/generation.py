@@ -1,10 +1,12 @@
 """Many generations at once: the engine's step loop in one thread, each request fed its own tokens.
 
 `EngineLoop.submit(prompt_ids, params, decode)` queues a `Generation`, whose `events()` are text
-deltas followed by one `Finished`. One engine thread adds requests to the engine's batch and runs
-its steps while any sequence waits or runs, so the event loop stays free to accept, reject (429,
-only when the waiting queue is full) and serve other requests. Leaving `events()` early (a client
-that went away) aborts the request's sequence before the next step, which gives its KV back.
+deltas (with the logprobs of their tokens, when asked for) followed by one `Finished`. One engine
+thread adds requests to the engine's batch and runs its steps while any sequence waits or runs, so
+the event loop stays free to accept, reject (429, only when the waiting queue is full) and serve
+other requests. Leaving `events()` early (a client that went away) aborts the request's sequence
+before the next step, which gives its KV back. `EngineLoop.call(work)` runs other engine work
+(scoring a prompt) on the same thread between steps, never beside one.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from qat4.engine.engine import PoolBusy
+from qat4.engine.logprobs import TokenLogprobs
 from qat4.server.metrics import Metrics
 
 log = logging.getLogger("qat4.server")
@@ -47,6 +51,7 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # generate through end-of-turn tokens, up to max_tokens
     constraint: Any = None  # the engine's TokenConstraint: a grammar the reply follows
+    logprobs: int | None = None  # each token's logprob and this many most likely tokens; None: no logprobs
 
 
 @dataclass
@@ -81,6 +86,16 @@ class Timings:
             "draft_n": self.draft_n,
             "draft_n_accepted": self.draft_n_accepted,
         }
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Text a reply grew by, and the logprobs of the tokens read since the last delta (when asked
+    for): a token whose text is held back (part of a character, or maybe of a stop string) goes
+    with the delta that shows it."""
+
+    text: str
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass
@@ -162,21 +177,51 @@ class _Job:
 
 
 _END = object()
+Result = TypeVar("Result")
+
+
+@dataclass
+class _Call:
+    """Engine work that a request waits for (EngineLoop.call)."""
+
+    work: Callable[[Any], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """On the event loop: a call's outcome, unless its request has stopped waiting."""
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
 
 
 def _deliver(items: list[tuple[_Job, Any]]) -> None:
-    """On the event loop: hand each job its item (a token, an exception or the end marker)."""
+    """On the event loop: hand each job its item (a StepOutput, an exception or the end marker)."""
     for job, item in items:
         job.out.put_nowait(item)
 
 
-def _hand_over(loop: asyncio.AbstractEventLoop, items: list[tuple[_Job, Any]]) -> None:
-    """From the engine thread: deliver items on the event loop; nothing when it has closed (the
-    requests are gone with it)."""
+def _on_loop(loop: asyncio.AbstractEventLoop, function: Callable[..., None], *args: Any) -> None:
+    """From the engine thread: ``function(*args)`` on the event loop; nothing when it has closed
+    (the requests are gone with it)."""
     try:
-        loop.call_soon_threadsafe(_deliver, items)
+        loop.call_soon_threadsafe(function, *args)
     except RuntimeError:
         pass
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop, items: list[tuple[_Job, Any]]) -> None:
+    """From the engine thread: deliver items on the event loop."""
+    _on_loop(loop, _deliver, items)
+
+
+def _hand_over_call(call: _Call, result: Any, error: BaseException | None) -> None:
+    """From the engine thread: a call's outcome to the request waiting for it."""
+    _on_loop(call.loop, _settle, call.future, result, error)
 
 
 class EngineLoop:
@@ -193,6 +238,7 @@ class EngineLoop:
         self.stop_token_ids = frozenset(stop_token_ids)
         self._cond = threading.Condition()
         self._inbox: list[_Job] = []
+        self._calls: list[_Call] = []
         self._jobs: dict[int, _Job] = {}  # sequence id -> job, for sequences in the engine
         self._closed = False
         self.failure: Exception | None = None  # what stopped the engine thread, if anything did
@@ -209,12 +255,16 @@ class EngineLoop:
         room = max(0, self.engine.max_num_seqs - len(scheduler.running))
         return max(0, len(self._inbox) + len(scheduler.waiting) - room)
 
+    def _check_open(self) -> None:
+        """Raise ShuttingDown once the loop is closed (call with the lock held)."""
+        if self._closed:
+            raise ShuttingDown("The server is shutting down." if self.failure is None else
+                               f"The engine stopped after an error ({self.failure}); restart the server.")
+
     def submit(self, prompt_ids: list[int], params: GenerationParams, decode: Callable[[list[int]], str]) -> Generation:
         """Queue a generation (raises QueueFull when every waiting place is taken)."""
         with self._cond:
-            if self._closed:
-                raise ShuttingDown("The server is shutting down." if self.failure is None else
-                                   f"The engine stopped after an error ({self.failure}); restart the server.")
+            self._check_open()
             scheduler = self.engine.scheduler
             room = max(0, self.engine.max_num_seqs - len(scheduler.running))
             ahead = len(self._inbox) + len(scheduler.waiting)
@@ -226,6 +276,17 @@ class EngineLoop:
             self._inbox.append(job)
             self._cond.notify()
         return Generation(self, job, decode)
+
+    async def call(self, work: Callable[[Any], Result]) -> Result:
+        """``work(engine)``, run on the engine thread between two steps; raises what it raises. Work
+        that finds the KV pool busy (PoolBusy) runs again after the next step while sequences run."""
+        loop = asyncio.get_running_loop()
+        call = _Call(work, loop, loop.create_future())
+        with self._cond:
+            self._check_open()
+            self._calls.append(call)
+            self._cond.notify()
+        return await call.future
 
     def cancel(self, job: _Job) -> None:
         """The request left: its sequence is aborted before the next step."""
@@ -252,21 +313,26 @@ class EngineLoop:
             with self._cond:
                 self.failure, self._closed = exc, True
                 stranded, self._inbox = self._inbox + list(self._jobs.values()), []
+                calls, self._calls = self._calls, []
                 self._jobs.clear()
             for job in stranded:
                 job.put(exc)
                 job.put(_END)
+            for call in calls:
+                _hand_over_call(call, None, exc)
 
     def _run_once(self) -> bool:
         """Take in new requests and cancellations, then run a step; False once closed and drained."""
         engine = self.engine
         with self._cond:
-            while not (self._inbox or self._closed or engine.has_work):
+            while not (self._inbox or self._calls or self._closed or engine.has_work):
                 self._cond.wait()
             arrived, self._inbox = self._inbox, []
+            calls, self._calls = self._calls, []
             closed = self._closed
         for job in arrived:
             self._add(job)
+        self._run_calls(calls, closed)
         for job in list(self._jobs.values()):
             if job.gone or closed:
                 self._end(job, abort=True)
@@ -277,14 +343,37 @@ class EngineLoop:
             self._step()
         return True
 
+    def _run_calls(self, calls: list[_Call], closed: bool) -> None:
+        """Run the calls that arrived; those that find the pool busy wait for the next step."""
+        busy = []
+        for call in calls:
+            if call.future.done():  # its request stopped waiting
+                continue
+            if closed:
+                _hand_over_call(call, None, ShuttingDown("The server is shutting down."))
+                continue
+            try:
+                _hand_over_call(call, call.work(self.engine), None)
+            except PoolBusy as exc:
+                if self.engine.has_work:
+                    busy.append(call)
+                else:
+                    _hand_over_call(call, None, exc)
+            except Exception as exc:  # re-raised in the request that waits for it
+                _hand_over_call(call, None, exc)
+        if busy:
+            with self._cond:
+                self._calls[:0] = busy
+
     def _add(self, job: _Job) -> None:
-        if job.gone or self._closed:
+        if job.gone or self._closed or job.params.max_tokens == 0:  # nothing to generate
             job.put(_END)
             return
         p = job.params
         try:
             job.seq = self.engine.add_request(job.prompt_ids, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed,
-                                              [] if p.ignore_eos else list(self.stop_token_ids), p.constraint)
+                                              [] if p.ignore_eos else list(self.stop_token_ids), p.constraint,
+                                              logprobs=p.logprobs)
         except Exception as exc:  # re-raised in the request that owns the job
             job.put(exc)
             job.put(_END)
@@ -308,7 +397,7 @@ class EngineLoop:
             if job is None:
                 continue
             job.started_at = out.seq.started
-            delivered.append((job, out.token))
+            delivered.append((job, out))
             if out.finished:
                 self._end(job, deliver=delivered)
         if delivered:  # one wake-up of the event loop per step, not per token
@@ -349,12 +438,12 @@ class Generation:
         """Stop at once: a waiting request never starts, a running one leaves before the next step."""
         self._loop.cancel(self._job)
 
-    async def events(self) -> AsyncIterator[str | Finished]:
+    async def events(self) -> AsyncIterator[Delta | Finished]:
         """Text deltas, then one Finished. Leaving early (or being cancelled) cancels the job."""
         job, metrics = self._job, self._loop.metrics
         stop_ids = frozenset() if job.params.ignore_eos else self._loop.stop_token_ids
         decoder, stops = IncrementalDecoder(self._decode), StopStrings(job.params.stop)
-        n, first, by_token = 0, 0.0, False
+        n, first, by_token, scored = 0, 0.0, False, []
         try:
             while (item := await job.out.get()) is not _END:
                 if isinstance(item, Exception):
@@ -363,17 +452,20 @@ class Generation:
                     first = time.perf_counter()
                     metrics.ttft.observe(first - self._arrived)
                 n += 1
-                if item in stop_ids:
+                if item.token in stop_ids:
                     by_token = True
                     break
-                delta = stops.feed(decoder.push(item))
+                if item.logprobs is not None:
+                    scored.append(item.logprobs)
+                delta = stops.feed(decoder.push(item.token))
                 if delta:
-                    yield delta
+                    yield Delta(delta, tuple(scored))
+                    scored = []
                 if stops.hit:
                     break
             tail = stops.feed(decoder.flush()) + stops.flush()
-            if tail:
-                yield tail
+            if tail or scored:
+                yield Delta(tail, tuple(scored))
         finally:
             self.cancel()
             seq = job.seq

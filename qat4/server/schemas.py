@@ -13,6 +13,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from qat4.engine.logprobs import TOP_LOGPROBS
 from qat4.server.errors import APIError, bad_request
 
 class _Strict(BaseModel):
@@ -154,6 +155,10 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    """Each reply token's logprob in the choice's `logprobs.content`."""
+    top_logprobs: int | None = Field(default=None, ge=0, le=TOP_LOGPROBS)
+    """With logprobs: this many most likely tokens at each position beside it."""
 
     @field_validator("tool_choice")
     @classmethod
@@ -188,7 +193,12 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions: a raw prompt (text or token ids), no chat template."""
 
     prompt: Any
-    max_tokens: int | None = Field(default=16, ge=1, le=2**31 - 1)
+    max_tokens: int | None = Field(default=16, ge=0, le=2**31 - 1)
+    """0 only with echo: the prompt's logprobs alone."""
+    logprobs: int | None = Field(default=None, ge=0, le=TOP_LOGPROBS)
+    """Each token's logprob and this many most likely tokens beside it (OpenAI's legacy shape)."""
+    echo: bool = False
+    """The prompt before the text, and with logprobs its tokens' logprobs before the text's."""
     response_format: ResponseFormat | None = None
     json_schema: dict[str, Any] | None = None
     """llama.cpp's field: the text is JSON matching this JSON Schema."""
@@ -198,18 +208,35 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+            value = value[0]  # a batch of one prompt (lm-evaluation-harness sends its prompts so)
         if isinstance(value, str):
             return value
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-            return value[0]
         if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             return value
-        raise ValueError("must be a string, a list holding one string, or a non-empty list of token ids")
+        raise ValueError("must be one prompt, a string or a non-empty list of token ids, alone or in a list of one "
+                         "(batches of prompts are not served)")
 
 
 class TokenizeRequest(_Strict):
-    content: str
-    add_special: bool = False
+    """llama.cpp's fields (content, add_special) or vLLM's (prompt, add_special_tokens)."""
+
+    content: str | None = None
+    prompt: str | None = None
+    add_special: bool | None = None
+    add_special_tokens: bool | None = None
+
+    def text(self) -> tuple[str, str]:
+        """The text to tokenize and the name of its field; a 400 when neither field is given."""
+        if self.content is not None:
+            return self.content, "content"
+        if self.prompt is not None:
+            return self.prompt, "prompt"
+        raise bad_request("Missing required parameter 'content' (or vLLM's 'prompt').", param="content")
+
+    def with_bos(self) -> bool:
+        """Whether the ids start with <bos>: add_special, else add_special_tokens, else no."""
+        return bool(self.add_special if self.add_special is not None else self.add_special_tokens)
 
 
 class DetokenizeRequest(_Strict):

@@ -56,7 +56,7 @@ def test_graph_replay_equals_eager_at_every_captured_batch_size(engine, eager):
 def record_logits(engine):
     seen = {}
 
-    def recording(h, slots, positions, keep, masked=False):
+    def recording(h, slots, positions, keep, masked=False, scores=None):
         owners = {s.slot: s for s in engine.scheduler.running}
         logits = engine.model.logits(h)
         for row, (slot, pos) in enumerate(zip(slots.tolist(), positions.tolist())):
@@ -103,7 +103,7 @@ def test_padded_prompt_chunks_agree_with_the_prompt_read_unpadded(engine, eager)
     from a graph, or eagerly without graphs): its last row's logits against the same prompt read
     unpadded (Engine.logits), KL and top-1 agreement printed."""
     sizes = chunk_graph_sizes(engine.prefill_chunk)
-    assert set(engine.runner.chunk_graphs) >= {(t, s, 1, False) for t in sizes for s in (1, engine.runner.chunk_seqs(t))}
+    assert set(engine.runner.chunk_graphs) >= {(t, s, 1, False, False) for t in sizes for s in (1, engine.runner.chunk_seqs(t))}
     seen = record_logits(eager)
     kls, same = [], 0
     lengths = (3, 16, 17, 100, 300, 512, 600, 2000)

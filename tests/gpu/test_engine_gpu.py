@@ -101,7 +101,7 @@ def teacher_forced_logits(engine, ids, prompt, chunk=256):
 
 def test_engine_is_bf16_with_graphs(engine):
     assert engine.dtype == (torch.bfloat16 if torch.cuda.get_device_capability()[0] >= 8 else torch.float16)
-    assert engine.runner.use_graph and all((b, 1, 1, False) in engine.runner.graphs for b in engine.runner.sizes)  # at load
+    assert engine.runner.use_graph and all((b, 1, 1, False, False) in engine.runner.graphs for b in engine.runner.sizes)  # at load
 
 
 def test_prefill_logits_vs_hf(engine, ids, reference):

@@ -93,4 +93,4 @@ def test_verification_graphs_replay_what_eager_steps_compute(packed, spec):
         engine.enable_speculation(Repeat(), adaptive=False)
     batch = prompts(4, seed=2)
     assert run(spec, batch, 24, temperature=0) == run(eager, batch, 24, temperature=0)
-    assert all(key in spec.runner.graphs for key in [(b, q, 1, False) for b in spec.spec_sizes for q in range(2, 6)])
+    assert all(key in spec.runner.graphs for key in [(b, q, 1, False, False) for b in spec.spec_sizes for q in range(2, 6)])
