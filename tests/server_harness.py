@@ -8,12 +8,13 @@ reply text as the real tokenizer's ids, so tool calls, thinking and timing-sensi
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import socket
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import uvicorn
@@ -24,6 +25,7 @@ from qat4.config import PRESETS
 from qat4.engine import Engine, SamplingParams, StepOutput
 from qat4.engine.sequence import Sequence, State
 from qat4.errors import Qat4Error
+from qat4.serve_process import HOST, ServerProcess, free_port, serve_command
 from qat4.tokenizer import Tokenizer
 
 TINY_MAX_CTX = 512
@@ -162,3 +164,12 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10.0, interval: f
             return False
         time.sleep(interval)
     return True
+
+
+@contextlib.contextmanager
+def tiny_serve_process() -> Iterator[str]:
+    """A `qat4 serve synthetic:tiny` process on the CPU on a free loopback port; yields its URL."""
+    port = free_port()
+    url = f"http://{HOST}:{port}"
+    with ServerProcess(serve_command("synthetic:tiny", port, device="cpu", max_queue=8), url):
+        yield url

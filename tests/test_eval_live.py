@@ -9,10 +9,10 @@ import signal
 
 import pytest
 from eval_harness import SHARED_DATA, needs_shared_data
+from server_harness import tiny_serve_process
 
 from qat4.cli import main
 from qat4.eval.records import read_jsonl
-from qat4.serve_process import HOST, ServerProcess, free_port, serve_command
 
 TINY = ["--data", str(SHARED_DATA), "--max-tokens", "8"]
 
@@ -27,9 +27,7 @@ def _sigterm_handler_restored():
 
 @pytest.fixture(scope="module")
 def served():
-    port = free_port()
-    url = f"http://{HOST}:{port}"
-    with ServerProcess(serve_command("synthetic:tiny", port, device="cpu", max_queue=8), url):
+    with tiny_serve_process() as url:
         yield url
 
 

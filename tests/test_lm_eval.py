@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from server_harness import tiny_engine
+from server_harness import tiny_engine, tiny_serve_process
 
-from qat4.serve_process import HOST, ServerProcess, free_port, serve_command
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed")
 
@@ -49,9 +48,7 @@ metric_list:
 
 @pytest.fixture(scope="module")
 def served():
-    port = free_port()
-    url = f"http://{HOST}:{port}"
-    with ServerProcess(serve_command("synthetic:tiny", port, device="cpu", max_queue=8), url):
+    with tiny_serve_process() as url:
         yield url
 
 

@@ -77,15 +77,19 @@ def test_json_instruction_joins_the_system_message():
     assert prompt.text.endswith("<|turn>model\n{") and prompt.reply_prefix == "{"
 
 
-def test_forced_call_after_an_open_thought_closes_it():
+def after_a_tool_result(**fields) -> ChatCompletionRequest:
+    """A chat with thinking on whose last message is a tool's result, with more request ``fields``."""
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-    req = ChatCompletionRequest.model_validate({
+    return ChatCompletionRequest.model_validate({
         "messages": [{"role": "user", "content": "Hi"},
                      {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
                                                            "function": {"name": "f", "arguments": "{}"}}]},
                      {"role": "tool", "tool_call_id": "c1", "content": "ok"}],
-        "tools": [tool], "tool_choice": "required", "chat_template_kwargs": {"enable_thinking": True}})
-    prompt = build_chat_prompt(req)
+        "tools": [tool], "chat_template_kwargs": {"enable_thinking": True}, **fields})
+
+
+def test_forced_call_after_an_open_thought_closes_it():
+    prompt = build_chat_prompt(after_a_tool_result(tool_choice="required"))
     assert prompt.text.endswith("<tool_response|><|channel>thought\n<channel|><|tool_call>call:")
     assert prompt.reply_prefix == "<|channel>thought\n<channel|><|tool_call>call:"
 
@@ -93,13 +97,7 @@ def test_forced_call_after_an_open_thought_closes_it():
 def test_json_after_an_open_thought_continues_it():
     """After a tool result with thinking on, the template opens the thought channel: the JSON
     reply's grammar starts inside it, and the parser reads what follows as that thought's end."""
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-    req = ChatCompletionRequest.model_validate({
-        "messages": [{"role": "user", "content": "Hi"},
-                     {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
-                                                           "function": {"name": "f", "arguments": "{}"}}]},
-                     {"role": "tool", "tool_call_id": "c1", "content": "ok"}],
-        "tools": [tool], "response_format": {"type": "json_object"}, "chat_template_kwargs": {"enable_thinking": True}})
+    req = after_a_tool_result(response_format={"type": "json_object"})
     prompt = build_chat_prompt(req)
     assert prompt.text.endswith("<tool_response|><|channel>thought\n")
     assert prompt.reply_prefix == prompt.grammar.prefix == "<|channel>thought\n"

@@ -68,6 +68,20 @@ def chunk_graph_sizes(prefill_chunk: int) -> list[int]:
     return sizes + [prefill_chunk] if prefill_chunk <= CHUNK_GRAPH_TOKENS[-1] else sizes
 
 
+def flat_chunks(chunks: list[tuple[Sequence, int]]) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """Prompt chunks (sequence, tokens from ``num_computed`` on) as one flat batch: the tokens' ids,
+    positions and slots, the first token of each chunk then the total (cu_q), each chunk's slot."""
+    ids, positions, slots, cu, rows = [], [], [], [0], []
+    for seq, n in chunks:
+        start = seq.num_computed
+        ids += seq.tokens[start : start + n]
+        positions += range(start, start + n)
+        slots += [seq.slot] * n
+        cu.append(cu[-1] + n)
+        rows.append(seq.slot)
+    return ids, positions, slots, cu, rows
+
+
 def graph_sizes(max_num_seqs: int) -> list[int]:
     """Batch sizes with a captured decode graph: 1, 2, 4, 8, then every 16, and max_num_seqs."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
@@ -326,14 +340,7 @@ class ModelRunner:
                                                                            torch.Tensor]:
         """Eager forward of prompt chunks (sequence, tokens from ``num_computed`` on), every id
         known on the host -> (hidden [T, D], positions [T], slots [T])."""
-        ids, positions, slots, cu, rows = [], [], [], [0], []
-        for seq, n in chunks:
-            start = seq.num_computed
-            ids += seq.tokens[start : start + n]
-            positions += range(start, start + n)
-            slots += [seq.slot] * n
-            cu.append(cu[-1] + n)
-            rows.append(seq.slot)
+        ids, positions, slots, cu, rows = flat_chunks(chunks)
         flat = to_device(torch.tensor([ids, positions, slots], dtype=torch.int64), self.device)
         seq_meta = to_device(torch.tensor(cu + rows, dtype=torch.int64), self.device)
         max_q = max(n for _, n in chunks)
@@ -355,9 +362,7 @@ class ModelRunner:
         if not sampled:
             self.forward_chunks(chunks)
             return torch.zeros(0, dtype=torch.int64, device=self.device), None
-        cu = [0]
-        for _, n in chunks:
-            cu.append(cu[-1] + n)
+        cu = flat_chunks(chunks)[3]
         ends = to_device(torch.tensor([cu[i + 1] - 1 for i in sampled]), self.device)
         h, positions, slots = self.forward_chunks(chunks)
         scores = score_buffers(len(sampled), self.top, self.device) if scored else None
@@ -420,14 +425,7 @@ class ModelRunner:
         s = 1 if len(chunks) == 1 else self.chunk_seqs(t)
         self.capture_chunk(t, s, keep, masked, scored)
         scratch = self.pool.scratch_row
-        ids, positions, slots, cu, rows = [], [], [], [0], []
-        for seq, n in chunks:
-            start = seq.num_computed
-            ids += seq.tokens[start : start + n]
-            positions += range(start, start + n)
-            slots += [seq.slot] * n
-            cu.append(cu[-1] + n)
-            rows.append(seq.slot)
+        ids, positions, slots, cu, rows = flat_chunks(chunks)
         pad, empty, unpicked = t - cu[-1], s - len(chunks), s - len(sampled)
         meta = [ids + [0] * pad, [*positions, *range(pad)], slots + [scratch] * pad]
         fields = (cu + [cu[-1]] * empty + rows + [scratch] * empty + [cu[i + 1] - 1 for i in sampled]
