@@ -11,7 +11,8 @@ over that for one request at a time. A request may carry a grammar (``constraint
 before each launch (:meth:`qat4.engine.model_runner.ModelRunner.set_allowed`). A request may ask
 for ``logprobs`` (:mod:`qat4.engine.logprobs`): the steps it is in score every row, and
 :meth:`Engine.prompt_logprobs` scores a prompt's own tokens. Decode GEMV tilings saved for this GPU by
-:meth:`Engine.tune_decode` (``qat4 bench --tune``) are pinned at load.
+:meth:`Engine.tune_decode` (``qat4 bench --tune``) are pinned at load, before the warm-up
+(:mod:`qat4.engine.warmup`) captures the steps' graphs and compiles their kernels.
 """
 
 from __future__ import annotations
@@ -36,13 +37,10 @@ from qat4.engine.scheduler import Scheduler
 from qat4.engine.sequence import Sequence, TokenConstraint
 from qat4.engine.speculation import SPEC_MAX_BATCH, PromptLookup, Speculator, accepted_count, measure_step_costs
 from qat4.engine.tuning import load_tilings, save_tilings, tune_decode_tilings
+from qat4.engine.warmup import capture_graphs, reserve_workspace
 from qat4.errors import Qat4Error
 from qat4.model import Gemma4
-from qat4.ops.w4.tiling import forget_matvec_tilings, matvec_tilings, pin_matvec_tilings
-
-# Token counts that reach every kernel choice of qat4.ops.w4.dispatch (the GEMV, the batch kernel's
-# row blocks of 16, 32, 64 and 128, the prefill GEMM) and of the attention tiles (decode, prefill).
-WARM_TOKENS = (1, 3, 17, 33, 65, 129)
+from qat4.ops.w4.tiling import matvec_tilings, pin_matvec_tilings
 
 
 class PoolBusy(Qat4Error):
@@ -176,7 +174,7 @@ class Engine:
         if device.type == "cuda":
             saved = load_tilings(device, resolved.dtype)
             pin_matvec_tilings(saved)
-            engine._reserve_workspace()
+            reserve_workspace(engine)
             launched = matvec_tilings()  # the decode steps' GEMV shapes, captured just now
             engine.pinned_tilings = (sum(key in saved for key in launched), len(launched))
         if assistant is not None:
@@ -201,65 +199,6 @@ class Engine:
         self.speculator = Speculator(drafter, self.spec_tokens, costs, self.runner.padded, adaptive)
 
     @torch.no_grad()
-    def _reserve_workspace(self) -> None:
-        """Read one prompt chunk at the deepest position, capture the decode graphs
-        (:meth:`_capture_graphs`) and compile the eager steps' kernels (:meth:`_warm_kernels`), so
-        the caching allocator holds their peak working memory from load on and no request waits
-        for a compile. Afterwards :func:`matvec_tilings` lists the decode steps' GEMV shapes."""
-        deep = min(self.max_ctx, self.pool.capacity_tokens)
-        chunk = min(self.prefill_chunk, deep)
-        probe = Sequence([0] * deep, SamplingParams(temperature=0), 0, 1, frozenset())
-        probe.slot, probe.num_computed = self.pool.open_slot(), deep - chunk
-        try:
-            self.pool.grow(probe.slot, deep, deep - chunk)
-            self.pool.flush()
-            h, _, _ = self.runner.forward_chunks([(probe, chunk)])
-            self.model.argmax(h[-1:])
-            forget_matvec_tilings()
-            self._capture_graphs()
-            self._warm_kernels(probe)
-            torch.cuda.synchronize(self.device)
-        finally:
-            self.pool.close_slot(probe.slot)
-
-    def _default_keeps(self) -> list[int]:
-        """Sampling shapes captured at load: greedy and the checkpoint's default sampling (what
-        requests that set nothing ask for)."""
-        return sorted({1, self.runner.keep_for([Sequence([0], self.sampling_params(), 0, 1, frozenset())])})
-
-    def _capture_graphs(self) -> None:
-        """The decode graphs of every batch size for :meth:`_default_keeps`, with speculative
-        decoding those of 1 + k rows per sequence for every k and batch size that may speculate,
-        and the padded prompt steps' graphs of every size, for one sequence and for several,
-        picking or not; other sampling shapes are captured when they first run."""
-        for keep in self._default_keeps():
-            for b in self.runner.sizes:
-                self.runner.capture(b, 1, keep)
-            for b in self.spec_sizes:
-                for q in range(2, self.spec_tokens + 2):
-                    self.runner.capture(b, q, keep)
-        for t in self.runner.chunk_sizes:
-            for s in sorted({1, self.runner.chunk_seqs(t)}):
-                for keep in (0, *self._default_keeps()):
-                    self.runner.capture_chunk(t, s, keep)
-
-    def _warm_kernels(self, probe: Sequence) -> None:
-        """Launch every kernel variant an eager prompt step can need, on ``probe``'s blocks: a
-        chunk of each row class of :mod:`qat4.ops.w4.dispatch` (WARM_TOKENS) at position 0 and at
-        the deepest position (attention with and without key splits), then the output layer over
-        each row class of sampled rows for every captured sampling shape. Triton compiles a kernel
-        the first time a new constant or tiling reaches it, and a compile mid-serving stops every
-        running sequence for seconds."""
-        deep, keeps = probe.length, self._default_keeps()
-        for tokens in (t for t in WARM_TOKENS if t <= min(self.prefill_chunk, deep)):
-            for start in sorted({0, deep - tokens}):
-                probe.num_computed = start
-                h, positions, slots = self.runner.forward_chunks([(probe, tokens)])
-                for rows in (r for r in WARM_TOKENS if r <= min(tokens, self.max_num_seqs)):
-                    for keep in keeps:
-                        self.runner.pick(h[:rows], slots[:rows], positions[:rows], keep)
-
-    @torch.no_grad()
     def tune_decode(self, replays: int = 50) -> tuple[float, float, Path]:
         """Choose every single-sequence decode GEMV's tiling by the greedy step's graph-replay time
         (:mod:`qat4.engine.tuning`), pin them and save them for this GPU, where later loads pick
@@ -269,7 +208,7 @@ class Engine:
         self.drain()
         tilings, before, after = tune_decode_tilings(self.runner, (1, 1, 1, False, False), replays)
         self.runner.graphs.clear()  # every graph holds the tilings from before
-        self._capture_graphs()
+        capture_graphs(self)
         return before, after, save_tilings(tilings, self.device, self.dtype)
 
     @property
