@@ -5,8 +5,9 @@ batch (:mod:`qat4.engine.scheduler`: every running sequence's next token, and pr
 a token budget), launches it on the device (:mod:`qat4.engine.model_runner`: decode rows replayed
 from CUDA graphs, prompt chunks eagerly), then reads back the tokens of the step before and
 returns them: the host enqueues step n + 1 before it waits for step n, so the GPU never waits for
-Python. :meth:`Engine.generate`, :meth:`Engine.stream` and :meth:`Engine.logits` are thin loops
-over that for one request at a time. A request may carry a grammar (``constraint``,
+Python. :meth:`Engine.generate` and :meth:`Engine.stream` are thin loops over that for one
+request at a time (:mod:`qat4.engine.generation`); :meth:`Engine.logits` reads a prompt alone
+beside the running sequences. A request may carry a grammar (``constraint``,
 :mod:`qat4.engine.sequence`): its rows pick under a token mask that the engine fills on the host
 before each launch (:meth:`qat4.engine.model_runner.ModelRunner.set_allowed`). A request may ask
 for ``logprobs`` (:mod:`qat4.engine.logprobs`): the steps it is in score every row, and
@@ -28,6 +29,7 @@ import torch
 
 from qat4.checkpoint.packed_model import PackedModel
 from qat4.engine.config import EngineConfig
+from qat4.engine.generation import Generation, generation_of, tokens_of
 from qat4.engine.kv_cache import KVPool, PoolExhausted
 from qat4.engine.logprobs import TOP_LOGPROBS, TokenLogprobs, read_scores, score, score_buffers
 from qat4.engine.memory import MIB, Plan, cap_text, model_nbytes, plan
@@ -46,29 +48,6 @@ from qat4.ops.w4.tiling import matvec_tilings, pin_matvec_tilings
 class PoolBusy(Qat4Error):
     """The KV pool has no room for a prompt read alone (:meth:`Engine.logits`) beside the running
     sequences; it will have once they are done."""
-
-
-@dataclass
-class Generation:
-    """One finished generation. ``tokens`` excludes a stop token; after a stop string it ends
-    with the token that completed it, and ``text`` is cut before the stop string."""
-
-    tokens: list[int]
-    text: str
-    finish_reason: str  # "stop" | "length"
-    prompt_tokens: int
-    prefill_ms: float  # from the request to its first token on the host
-    decode_ms: float  # first token to last token
-    decode_steps: int  # tokens produced by decode steps (every token after the first)
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache
-    drafted: int = 0  # draft tokens verified (speculative decoding)
-    accepted: int = 0  # of those, the ones kept
-
-    @property
-    def decode_tok_s(self) -> float | None:
-        """Decode speed, or None with fewer than two decode steps: the first decode step was
-        enqueued before the first token came back, so one interval says nothing about the rate."""
-        return self.decode_steps / self.decode_ms * 1e3 if self.decode_steps >= 2 and self.decode_ms > 0 else None
 
 
 @dataclass
@@ -481,20 +460,7 @@ class Engine:
         """
         constraint = None if json_schema is None else self.json_constraint(json_schema)
         seq = self.add_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, constraint)
-        return self._tokens_of(seq, should_stop)
-
-    def _tokens_of(self, seq: Sequence, should_stop: Callable[[], bool] | None = None) -> Iterator[int]:
-        """Step the engine until ``seq`` ends, yielding its tokens; leaving early aborts it."""
-        try:
-            while not seq.finished:
-                for out in self.step():
-                    if out.seq is seq:
-                        yield out.token
-                        if not out.finished and should_stop is not None and should_stop():
-                            self.abort(seq)
-                            break  # a speculating step may have more of its tokens
-        finally:
-            self.abort(seq)
+        return tokens_of(self, seq, should_stop)
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 256, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -512,33 +478,7 @@ class Engine:
             raise Qat4Error("stop strings need a tokenizer; this model has none")
         constraint = None if json_schema is None else self.json_constraint(json_schema)
         seq = self.add_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, constraint)
-        tokens: list[int] = []
-        reason = "length"
-        tail = max((len(s) for s in stop), default=0) + 8  # tokens enough to hold any stop string
-        produced = 0  # tokens read, the stop token included (a step may bring more after it)
-        for token in self._tokens_of(seq):
-            produced += 1
-            if token in seq.stop_ids:
-                reason = "stop"
-                break
-            tokens.append(token)
-            if stop and any(s in self.tokenizer.decode(tokens[-tail:]) for s in stop):
-                reason = "stop"
-                break
-        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
-        cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-        return Generation(
-            tokens=tokens,
-            text=text if cut < 0 else text[:cut],
-            finish_reason=reason,
-            prompt_tokens=len(seq.prompt),
-            prefill_ms=(seq.first_token_at - seq.arrived) * 1e3,
-            decode_ms=(seq.last_token_at - seq.first_token_at) * 1e3,
-            decode_steps=produced - 1,
-            cached_tokens=seq.cached_tokens,
-            drafted=seq.drafted,
-            accepted=seq.accepted,
-        )
+        return generation_of(self, seq, stop)
 
 
 def stop_token_ids(generation_config: dict, eos_token_id: tuple[int, ...]) -> tuple[int, ...]:
