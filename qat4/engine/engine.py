@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from qat4.checkpoint.packed_model import PackedModel
+from qat4.checkpoint.packed_model import PackedModel, stop_token_ids
 from qat4.engine.config import EngineConfig
 from qat4.engine.generation import Generation, generation_of, tokens_of
 from qat4.engine.kv_cache import KVPool, PoolExhausted
@@ -114,7 +114,9 @@ class Engine:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if tokenizer is None and packed.source is not None:
-            tokenizer = _find_tokenizer(packed.source)
+            from qat4.tokenizer import find_tokenizer
+
+            tokenizer = find_tokenizer(packed.source)
         assistant = None
         if config.mtp_source is not None:  # read and checked before anything goes to the device
             from qat4.checkpoint.assistant import load_assistant
@@ -479,26 +481,3 @@ class Engine:
         constraint = None if json_schema is None else self.json_constraint(json_schema)
         seq = self.add_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, constraint)
         return generation_of(self, seq, stop)
-
-
-def stop_token_ids(generation_config: dict, eos_token_id: tuple[int, ...]) -> tuple[int, ...]:
-    """The ids that end a generation: the checkpoint's generation_config ``eos_token_id`` (an id or
-    a list), else its config's (for Gemma 4 <eos>, <turn|> and <|tool_response>; a GGUF's come
-    from its metadata, see :func:`qat4.checkpoint.gguf.metadata.config_from_gguf`)."""
-    eos = generation_config.get("eos_token_id")
-    if isinstance(eos, int) and not isinstance(eos, bool):
-        return (eos,)
-    if isinstance(eos, list) and eos and all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
-        return tuple(dict.fromkeys(eos))
-    return tuple(eos_token_id)
-
-
-def _find_tokenizer(source: Path):
-    """The tokenizer stored with a checkpoint (folder or .gguf file), or None when it has none."""
-    from qat4.tokenizer import Tokenizer, load_tokenizer
-
-    source = Path(source)
-    try:
-        return Tokenizer.from_gguf(source) if source.is_file() else load_tokenizer(source)
-    except Qat4Error:
-        return None
