@@ -11,14 +11,14 @@ beside the running sequences. A request may carry a grammar (``constraint``,
 :mod:`qat4.engine.sequence`): its rows pick under a token mask that the engine fills on the host
 before each launch (:meth:`qat4.engine.model_runner.ModelRunner.set_allowed`). A request may ask
 for ``logprobs`` (:mod:`qat4.engine.logprobs`): the steps it is in score every row, and
-:meth:`Engine.prompt_logprobs` scores a prompt's own tokens. Decode GEMV tilings saved for this GPU by
-:meth:`Engine.tune_decode` (``qat4 bench --tune``) are pinned at load, before the warm-up
-(:mod:`qat4.engine.warmup`) captures the steps' graphs and compiles their kernels.
+:meth:`Engine.prompt_logprobs` scores a prompt's own tokens. :meth:`Engine.load` and
+:meth:`Engine.from_packed` build an engine (:mod:`qat4.engine.build`): on CUDA the decode GEMV
+tilings saved for this GPU by :meth:`Engine.tune_decode` (``qat4 bench --tune``) are pinned, then
+the warm-up (:mod:`qat4.engine.warmup`) captures the steps' graphs and compiles their kernels.
 """
 
 from __future__ import annotations
 
-import gc
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -28,21 +28,21 @@ from pathlib import Path
 import torch
 
 from qat4.checkpoint.packed_model import PackedModel, stop_token_ids
+from qat4.engine.build import build_engine
 from qat4.engine.config import EngineConfig
 from qat4.engine.generation import Generation, generation_of, tokens_of
 from qat4.engine.kv_cache import KVPool, PoolExhausted
 from qat4.engine.logprobs import TOP_LOGPROBS, TokenLogprobs, read_scores, score, score_buffers
-from qat4.engine.memory import MIB, Plan, cap_text, model_nbytes, plan
+from qat4.engine.memory import Plan
 from qat4.engine.model_runner import ModelRunner, bitmask_width
 from qat4.engine.sampler import SamplingParams
 from qat4.engine.scheduler import Scheduler
 from qat4.engine.sequence import Sequence, TokenConstraint
-from qat4.engine.speculation import SPEC_MAX_BATCH, PromptLookup, Speculator, accepted_count, measure_step_costs
-from qat4.engine.tuning import load_tilings, save_tilings, tune_decode_tilings
-from qat4.engine.warmup import capture_graphs, reserve_workspace
+from qat4.engine.speculation import SPEC_MAX_BATCH, Speculator, accepted_count, measure_step_costs
+from qat4.engine.tuning import save_tilings, tune_decode_tilings
+from qat4.engine.warmup import capture_graphs
 from qat4.errors import Qat4Error
 from qat4.model import Gemma4
-from qat4.ops.w4.tiling import matvec_tilings, pin_matvec_tilings
 
 
 class PoolBusy(Qat4Error):
@@ -107,68 +107,10 @@ class Engine:
 
         The tokenizer comes from ``packed.source`` when it has one, unless ``tokenizer`` is given.
         Without an explicit max_num_seqs, a load that runs out of GPU memory (the plan's estimate of
-        the working memory fell short) is tried again with half as many sequences.
+        the working memory fell short) is tried again with half as many sequences
+        (:func:`qat4.engine.build.build_engine`).
         """
-        config = EngineConfig.of(config, **options)
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        if tokenizer is None and packed.source is not None:
-            from qat4.tokenizer import find_tokenizer
-
-            tokenizer = find_tokenizer(packed.source)
-        assistant = None
-        if config.mtp_source is not None:  # read and checked before anything goes to the device
-            from qat4.checkpoint.assistant import load_assistant
-
-            assistant = load_assistant(config.mtp_source)
-            assistant.config.check_target(packed.config, config.mtp_source)
-        attempt = config
-        while True:
-            resolved = plan(packed, device, attempt, assistant)
-            try:
-                return cls._build(packed, device, resolved, config, tokenizer, assistant)
-            except torch.cuda.OutOfMemoryError:
-                if config.max_num_seqs is not None or resolved.max_num_seqs == 1:
-                    raise Qat4Error(
-                        f"the model ({model_nbytes(packed, resolved.max_ctx, resolved.dtype) / MIB:,.0f} MiB), a KV pool of "
-                        f"{resolved.kv_tokens} tokens for {resolved.max_num_seqs} sequences and the prefill workspace for "
-                        f"chunks of {resolved.prefill_chunk} tokens do not fit in GPU memory"
-                        f"{cap_text(config.memory_cap_mib)}; lower max_ctx, max_num_seqs or prefill_chunk"
-                    ) from None
-            # the estimate of the working memory fell short: half as many sequences (the failed
-            # attempt's tensors are garbage once the exception is gone)
-            gc.collect()
-            torch.cuda.empty_cache()
-            attempt = EngineConfig.of(attempt, max_num_seqs=resolved.max_num_seqs // 2)
-
-    @classmethod
-    def _build(cls, packed: PackedModel, device: torch.device, resolved: Plan, config: EngineConfig,
-               tokenizer, assistant=None) -> "Engine":
-        model = Gemma4(packed, device, resolved.dtype, resolved.max_ctx, expand=resolved.expand)
-        pool = KVPool(packed.config, resolved.blocks, block_size=config.block_size,
-                      max_seqs=resolved.max_num_seqs, max_ctx=resolved.max_ctx, device=device, dtype=resolved.dtype,
-                      prompt_cache=resolved.prompt_cache, window=resolved.window)
-        engine = cls(model, pool, resolved, cuda_graph=config.cuda_graph, tokenizer=tokenizer,
-                     generation_config=packed.generation_config,
-                     spec_tokens=config.spec_tokens if config.speculative else 0, keep_hidden=assistant is not None)
-        if device.type == "cuda":
-            saved = load_tilings(device, resolved.dtype)
-            pin_matvec_tilings(saved)
-            reserve_workspace(engine)
-            launched = matvec_tilings()  # the decode steps' GEMV shapes, captured just now
-            engine.pinned_tilings = (sum(key in saved for key in launched), len(launched))
-        if assistant is not None:
-            from qat4.assistant import Gemma4Assistant
-            from qat4.engine.mtp import MTPDrafter
-
-            engine.assistant = Gemma4Assistant(assistant, model, resolved.max_ctx)
-            drafter = MTPDrafter(engine.assistant, engine.runner, engine.spec_sizes, engine.spec_tokens)
-            drafter.prepare()
-            engine.enable_speculation(drafter, config.spec_adaptive)
-        elif config.speculative:
-            engine.enable_speculation(PromptLookup(), config.spec_adaptive)
-        return engine
+        return build_engine(cls, packed, device, EngineConfig.of(config, **options), tokenizer)
 
     def enable_speculation(self, drafter, adaptive: bool = True) -> None:
         """Speculative decoding with ``drafter`` (:mod:`qat4.engine.speculation`), up to the
