@@ -307,6 +307,15 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
     raise Qat4Error(f"{folder} holds no {TOKENIZER_FILE} and no single .gguf file to load a tokenizer from")
 
 
+def find_tokenizer(source: str | Path) -> Tokenizer | None:
+    """The tokenizer stored with a checkpoint (folder or .gguf file), or None when it has none."""
+    source = Path(source)
+    try:
+        return Tokenizer.from_gguf(source) if source.is_file() else load_tokenizer(source)
+    except Qat4Error:
+        return None
+
+
 def _folder_chat_template(folder: Path) -> str | None:
     """The chat template stored in a checkpoint folder, or None when it has none."""
     if (folder / TEMPLATE_FILE).is_file():

@@ -277,6 +277,27 @@ def test_plan_takes_the_largest_chunk_and_the_most_sequences_that_fit(monkeypatc
     assert memory.plan(packed, torch.device("cpu"), EngineConfig(max_ctx=100)).prefill_chunk == 100
 
 
+
+def test_a_build_out_of_memory_is_tried_again_with_half_as_many_sequences(monkeypatch):
+    """The plan's estimate of the working memory can fall short: without an explicit max_num_seqs
+    the build halves the sequences until it fits; with one, it says what did not fit."""
+    from qat4.checkpoint.synth import synthetic_model
+    from qat4.engine import build
+
+    real, tried = build._build, []
+
+    def short_of_memory(engine_class, packed, device, resolved, *args):
+        tried.append(resolved.max_num_seqs)
+        if resolved.max_num_seqs > 2:
+            raise torch.cuda.OutOfMemoryError("out of memory")
+        return real(engine_class, packed, device, resolved, *args)
+
+    monkeypatch.setattr(build, "_build", short_of_memory)
+    packed = synthetic_model(TINY, seed=0)
+    assert Engine.from_packed(packed, "cpu", max_ctx=64).max_num_seqs == 2 and tried == [8, 4, 2]
+    with pytest.raises(Qat4Error, match="do not fit in GPU memory"):
+        Engine.from_packed(packed, "cpu", max_ctx=64, max_num_seqs=4)
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_group_steps_keep_their_stored_dtype(dtype):
     """fp16 steps stay fp16 under bf16 compute (converting them would move every weight off its

@@ -14,7 +14,7 @@ import pytest
 
 from qat4.chat import render_prompt
 from qat4.errors import Qat4Error
-from qat4.tokenizer import Tokenizer, build_tokenizer_json, load_tokenizer
+from qat4.tokenizer import Tokenizer, build_tokenizer_json, find_tokenizer, load_tokenizer
 from vocab_fixtures import VOCAB_GGUF as GGUF
 from vocab_fixtures import official_vectors
 
@@ -187,6 +187,14 @@ def test_load_tokenizer_errors(tmp_path):
     with pytest.raises(Qat4Error, match="broken.gguf"):
         Tokenizer.from_gguf(tmp_path / "broken.gguf")
 
+
+
+def test_find_tokenizer_of_a_checkpoint_folder_or_file(tmp_path, json_folder):
+    assert find_tokenizer(json_folder).encode(VECTORS[-1][0]) == VECTORS[-1][1]
+    assert find_tokenizer(GGUF).encode(VECTORS[-1][0]) == VECTORS[-1][1]
+    assert find_tokenizer(tmp_path) is None  # a checkpoint without a tokenizer
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00")
+    assert find_tokenizer(tmp_path / "broken.gguf") is None
 
 # A tiny vocabulary in GGUF metadata form, given as plain values: types 1 normal, 3 control,
 # 4 user-defined, 6 byte.

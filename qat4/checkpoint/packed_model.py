@@ -4,7 +4,8 @@ Tensor names are the transformers text-model names without any prefix (`embed_to
 `layers.3.self_attn.q_proj`, `layers.3.layer_scalar`, `norm`, ...), without `.weight`. Every
 matrix (all linears and both vocabulary tables) is a PackedTensor; norms and `layer_scalar` are
 small dense tensors. `lm_head` is absent when the output layer is the token embedding (tied, or
-an untied copy that holds identical codes and steps).
+an untied copy that holds identical codes and steps). :func:`stop_token_ids` reads the ids that
+end a generation from a checkpoint's generation_config and config.
 """
 
 from __future__ import annotations
@@ -123,3 +124,15 @@ class PackedModel:
             and torch.equal(lm_head.scales.to(torch.float32), emb.scales.to(torch.float32))
         )
         self.lm_head = None if same else lm_head
+
+
+def stop_token_ids(generation_config: dict, eos_token_id: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids that end a generation: the checkpoint's generation_config ``eos_token_id`` (an id or
+    a list), else its config's (for Gemma 4 <eos>, <turn|> and <|tool_response>; a GGUF's come
+    from its metadata, see :func:`qat4.checkpoint.gguf.metadata.config_from_gguf`)."""
+    eos = generation_config.get("eos_token_id")
+    if isinstance(eos, int) and not isinstance(eos, bool):
+        return (eos,)
+    if isinstance(eos, list) and eos and all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
+        return tuple(dict.fromkeys(eos))
+    return tuple(eos_token_id)

@@ -5,18 +5,20 @@ batch (:mod:`qat4.engine.scheduler`: every running sequence's next token, and pr
 a token budget), launches it on the device (:mod:`qat4.engine.model_runner`: decode rows replayed
 from CUDA graphs, prompt chunks eagerly), then reads back the tokens of the step before and
 returns them: the host enqueues step n + 1 before it waits for step n, so the GPU never waits for
-Python. :meth:`Engine.generate`, :meth:`Engine.stream` and :meth:`Engine.logits` are thin loops
-over that for one request at a time. A request may carry a grammar (``constraint``,
+Python. :meth:`Engine.generate` and :meth:`Engine.stream` are thin loops over that for one
+request at a time (:mod:`qat4.engine.generation`); :meth:`Engine.logits` reads a prompt alone
+beside the running sequences. A request may carry a grammar (``constraint``,
 :mod:`qat4.engine.sequence`): its rows pick under a token mask that the engine fills on the host
 before each launch (:meth:`qat4.engine.model_runner.ModelRunner.set_allowed`). A request may ask
 for ``logprobs`` (:mod:`qat4.engine.logprobs`): the steps it is in score every row, and
-:meth:`Engine.prompt_logprobs` scores a prompt's own tokens. Decode GEMV tilings saved for this GPU by
-:meth:`Engine.tune_decode` (``qat4 bench --tune``) are pinned at load.
+:meth:`Engine.prompt_logprobs` scores a prompt's own tokens. :meth:`Engine.load` and
+:meth:`Engine.from_packed` build an engine (:mod:`qat4.engine.build`): on CUDA the decode GEMV
+tilings saved for this GPU by :meth:`Engine.tune_decode` (``qat4 bench --tune``) are pinned, then
+the warm-up (:mod:`qat4.engine.warmup`) captures the steps' graphs and compiles their kernels.
 """
 
 from __future__ import annotations
 
-import gc
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -25,52 +27,27 @@ from pathlib import Path
 
 import torch
 
-from qat4.checkpoint.packed_model import PackedModel
+from qat4.checkpoint.packed_model import PackedModel, stop_token_ids
+from qat4.engine.build import build_engine
 from qat4.engine.config import EngineConfig
+from qat4.engine.generation import Generation, generation_of, tokens_of
 from qat4.engine.kv_cache import KVPool, PoolExhausted
 from qat4.engine.logprobs import TOP_LOGPROBS, TokenLogprobs, read_scores, score, score_buffers
-from qat4.engine.memory import MIB, Plan, cap_text, model_nbytes, plan
+from qat4.engine.memory import Plan
 from qat4.engine.model_runner import ModelRunner, bitmask_width
 from qat4.engine.sampler import SamplingParams
 from qat4.engine.scheduler import Scheduler
 from qat4.engine.sequence import Sequence, TokenConstraint
-from qat4.engine.speculation import SPEC_MAX_BATCH, PromptLookup, Speculator, accepted_count, measure_step_costs
-from qat4.engine.tuning import load_tilings, save_tilings, tune_decode_tilings
+from qat4.engine.speculation import SPEC_MAX_BATCH, Speculator, accepted_count, measure_step_costs
+from qat4.engine.tuning import save_tilings, tune_decode_tilings
+from qat4.engine.warmup import capture_graphs
 from qat4.errors import Qat4Error
 from qat4.model import Gemma4
-from qat4.ops.w4.tiling import forget_matvec_tilings, matvec_tilings, pin_matvec_tilings
-
-# Token counts that reach every kernel choice of qat4.ops.w4.dispatch (the GEMV, the batch kernel's
-# row blocks of 16, 32, 64 and 128, the prefill GEMM) and of the attention tiles (decode, prefill).
-WARM_TOKENS = (1, 3, 17, 33, 65, 129)
 
 
 class PoolBusy(Qat4Error):
     """The KV pool has no room for a prompt read alone (:meth:`Engine.logits`) beside the running
     sequences; it will have once they are done."""
-
-
-@dataclass
-class Generation:
-    """One finished generation. ``tokens`` excludes a stop token; after a stop string it ends
-    with the token that completed it, and ``text`` is cut before the stop string."""
-
-    tokens: list[int]
-    text: str
-    finish_reason: str  # "stop" | "length"
-    prompt_tokens: int
-    prefill_ms: float  # from the request to its first token on the host
-    decode_ms: float  # first token to last token
-    decode_steps: int  # tokens produced by decode steps (every token after the first)
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache
-    drafted: int = 0  # draft tokens verified (speculative decoding)
-    accepted: int = 0  # of those, the ones kept
-
-    @property
-    def decode_tok_s(self) -> float | None:
-        """Decode speed, or None with fewer than two decode steps: the first decode step was
-        enqueued before the first token came back, so one interval says nothing about the rate."""
-        return self.decode_steps / self.decode_ms * 1e3 if self.decode_steps >= 2 and self.decode_ms > 0 else None
 
 
 @dataclass
@@ -130,66 +107,10 @@ class Engine:
 
         The tokenizer comes from ``packed.source`` when it has one, unless ``tokenizer`` is given.
         Without an explicit max_num_seqs, a load that runs out of GPU memory (the plan's estimate of
-        the working memory fell short) is tried again with half as many sequences.
+        the working memory fell short) is tried again with half as many sequences
+        (:func:`qat4.engine.build.build_engine`).
         """
-        config = EngineConfig.of(config, **options)
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        if tokenizer is None and packed.source is not None:
-            tokenizer = _find_tokenizer(packed.source)
-        assistant = None
-        if config.mtp_source is not None:  # read and checked before anything goes to the device
-            from qat4.checkpoint.assistant import load_assistant
-
-            assistant = load_assistant(config.mtp_source)
-            assistant.config.check_target(packed.config, config.mtp_source)
-        attempt = config
-        while True:
-            resolved = plan(packed, device, attempt, assistant)
-            try:
-                return cls._build(packed, device, resolved, config, tokenizer, assistant)
-            except torch.cuda.OutOfMemoryError:
-                if config.max_num_seqs is not None or resolved.max_num_seqs == 1:
-                    raise Qat4Error(
-                        f"the model ({model_nbytes(packed, resolved.max_ctx, resolved.dtype) / MIB:,.0f} MiB), a KV pool of "
-                        f"{resolved.kv_tokens} tokens for {resolved.max_num_seqs} sequences and the prefill workspace for "
-                        f"chunks of {resolved.prefill_chunk} tokens do not fit in GPU memory"
-                        f"{cap_text(config.memory_cap_mib)}; lower max_ctx, max_num_seqs or prefill_chunk"
-                    ) from None
-            # the estimate of the working memory fell short: half as many sequences (the failed
-            # attempt's tensors are garbage once the exception is gone)
-            gc.collect()
-            torch.cuda.empty_cache()
-            attempt = EngineConfig.of(attempt, max_num_seqs=resolved.max_num_seqs // 2)
-
-    @classmethod
-    def _build(cls, packed: PackedModel, device: torch.device, resolved: Plan, config: EngineConfig,
-               tokenizer, assistant=None) -> "Engine":
-        model = Gemma4(packed, device, resolved.dtype, resolved.max_ctx, expand=resolved.expand)
-        pool = KVPool(packed.config, resolved.blocks, block_size=config.block_size,
-                      max_seqs=resolved.max_num_seqs, max_ctx=resolved.max_ctx, device=device, dtype=resolved.dtype,
-                      prompt_cache=resolved.prompt_cache, window=resolved.window)
-        engine = cls(model, pool, resolved, cuda_graph=config.cuda_graph, tokenizer=tokenizer,
-                     generation_config=packed.generation_config,
-                     spec_tokens=config.spec_tokens if config.speculative else 0, keep_hidden=assistant is not None)
-        if device.type == "cuda":
-            saved = load_tilings(device, resolved.dtype)
-            pin_matvec_tilings(saved)
-            engine._reserve_workspace()
-            launched = matvec_tilings()  # the decode steps' GEMV shapes, captured just now
-            engine.pinned_tilings = (sum(key in saved for key in launched), len(launched))
-        if assistant is not None:
-            from qat4.assistant import Gemma4Assistant
-            from qat4.engine.mtp import MTPDrafter
-
-            engine.assistant = Gemma4Assistant(assistant, model, resolved.max_ctx)
-            drafter = MTPDrafter(engine.assistant, engine.runner, engine.spec_sizes, engine.spec_tokens)
-            drafter.prepare()
-            engine.enable_speculation(drafter, config.spec_adaptive)
-        elif config.speculative:
-            engine.enable_speculation(PromptLookup(), config.spec_adaptive)
-        return engine
+        return build_engine(cls, packed, device, EngineConfig.of(config, **options), tokenizer)
 
     def enable_speculation(self, drafter, adaptive: bool = True) -> None:
         """Speculative decoding with ``drafter`` (:mod:`qat4.engine.speculation`), up to the
@@ -201,65 +122,6 @@ class Engine:
         self.speculator = Speculator(drafter, self.spec_tokens, costs, self.runner.padded, adaptive)
 
     @torch.no_grad()
-    def _reserve_workspace(self) -> None:
-        """Read one prompt chunk at the deepest position, capture the decode graphs
-        (:meth:`_capture_graphs`) and compile the eager steps' kernels (:meth:`_warm_kernels`), so
-        the caching allocator holds their peak working memory from load on and no request waits
-        for a compile. Afterwards :func:`matvec_tilings` lists the decode steps' GEMV shapes."""
-        deep = min(self.max_ctx, self.pool.capacity_tokens)
-        chunk = min(self.prefill_chunk, deep)
-        probe = Sequence([0] * deep, SamplingParams(temperature=0), 0, 1, frozenset())
-        probe.slot, probe.num_computed = self.pool.open_slot(), deep - chunk
-        try:
-            self.pool.grow(probe.slot, deep, deep - chunk)
-            self.pool.flush()
-            h, _, _ = self.runner.forward_chunks([(probe, chunk)])
-            self.model.argmax(h[-1:])
-            forget_matvec_tilings()
-            self._capture_graphs()
-            self._warm_kernels(probe)
-            torch.cuda.synchronize(self.device)
-        finally:
-            self.pool.close_slot(probe.slot)
-
-    def _default_keeps(self) -> list[int]:
-        """Sampling shapes captured at load: greedy and the checkpoint's default sampling (what
-        requests that set nothing ask for)."""
-        return sorted({1, self.runner.keep_for([Sequence([0], self.sampling_params(), 0, 1, frozenset())])})
-
-    def _capture_graphs(self) -> None:
-        """The decode graphs of every batch size for :meth:`_default_keeps`, with speculative
-        decoding those of 1 + k rows per sequence for every k and batch size that may speculate,
-        and the padded prompt steps' graphs of every size, for one sequence and for several,
-        picking or not; other sampling shapes are captured when they first run."""
-        for keep in self._default_keeps():
-            for b in self.runner.sizes:
-                self.runner.capture(b, 1, keep)
-            for b in self.spec_sizes:
-                for q in range(2, self.spec_tokens + 2):
-                    self.runner.capture(b, q, keep)
-        for t in self.runner.chunk_sizes:
-            for s in sorted({1, self.runner.chunk_seqs(t)}):
-                for keep in (0, *self._default_keeps()):
-                    self.runner.capture_chunk(t, s, keep)
-
-    def _warm_kernels(self, probe: Sequence) -> None:
-        """Launch every kernel variant an eager prompt step can need, on ``probe``'s blocks: a
-        chunk of each row class of :mod:`qat4.ops.w4.dispatch` (WARM_TOKENS) at position 0 and at
-        the deepest position (attention with and without key splits), then the output layer over
-        each row class of sampled rows for every captured sampling shape. Triton compiles a kernel
-        the first time a new constant or tiling reaches it, and a compile mid-serving stops every
-        running sequence for seconds."""
-        deep, keeps = probe.length, self._default_keeps()
-        for tokens in (t for t in WARM_TOKENS if t <= min(self.prefill_chunk, deep)):
-            for start in sorted({0, deep - tokens}):
-                probe.num_computed = start
-                h, positions, slots = self.runner.forward_chunks([(probe, tokens)])
-                for rows in (r for r in WARM_TOKENS if r <= min(tokens, self.max_num_seqs)):
-                    for keep in keeps:
-                        self.runner.pick(h[:rows], slots[:rows], positions[:rows], keep)
-
-    @torch.no_grad()
     def tune_decode(self, replays: int = 50) -> tuple[float, float, Path]:
         """Choose every single-sequence decode GEMV's tiling by the greedy step's graph-replay time
         (:mod:`qat4.engine.tuning`), pin them and save them for this GPU, where later loads pick
@@ -269,7 +131,7 @@ class Engine:
         self.drain()
         tilings, before, after = tune_decode_tilings(self.runner, (1, 1, 1, False, False), replays)
         self.runner.graphs.clear()  # every graph holds the tilings from before
-        self._capture_graphs()
+        capture_graphs(self)
         return before, after, save_tilings(tilings, self.device, self.dtype)
 
     @property
@@ -542,20 +404,7 @@ class Engine:
         """
         constraint = None if json_schema is None else self.json_constraint(json_schema)
         seq = self.add_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, constraint)
-        return self._tokens_of(seq, should_stop)
-
-    def _tokens_of(self, seq: Sequence, should_stop: Callable[[], bool] | None = None) -> Iterator[int]:
-        """Step the engine until ``seq`` ends, yielding its tokens; leaving early aborts it."""
-        try:
-            while not seq.finished:
-                for out in self.step():
-                    if out.seq is seq:
-                        yield out.token
-                        if not out.finished and should_stop is not None and should_stop():
-                            self.abort(seq)
-                            break  # a speculating step may have more of its tokens
-        finally:
-            self.abort(seq)
+        return tokens_of(self, seq, should_stop)
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 256, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -573,53 +422,4 @@ class Engine:
             raise Qat4Error("stop strings need a tokenizer; this model has none")
         constraint = None if json_schema is None else self.json_constraint(json_schema)
         seq = self.add_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, constraint)
-        tokens: list[int] = []
-        reason = "length"
-        tail = max((len(s) for s in stop), default=0) + 8  # tokens enough to hold any stop string
-        produced = 0  # tokens read, the stop token included (a step may bring more after it)
-        for token in self._tokens_of(seq):
-            produced += 1
-            if token in seq.stop_ids:
-                reason = "stop"
-                break
-            tokens.append(token)
-            if stop and any(s in self.tokenizer.decode(tokens[-tail:]) for s in stop):
-                reason = "stop"
-                break
-        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
-        cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-        return Generation(
-            tokens=tokens,
-            text=text if cut < 0 else text[:cut],
-            finish_reason=reason,
-            prompt_tokens=len(seq.prompt),
-            prefill_ms=(seq.first_token_at - seq.arrived) * 1e3,
-            decode_ms=(seq.last_token_at - seq.first_token_at) * 1e3,
-            decode_steps=produced - 1,
-            cached_tokens=seq.cached_tokens,
-            drafted=seq.drafted,
-            accepted=seq.accepted,
-        )
-
-
-def stop_token_ids(generation_config: dict, eos_token_id: tuple[int, ...]) -> tuple[int, ...]:
-    """The ids that end a generation: the checkpoint's generation_config ``eos_token_id`` (an id or
-    a list), else its config's (for Gemma 4 <eos>, <turn|> and <|tool_response>; a GGUF's come
-    from its metadata, see :func:`qat4.checkpoint.gguf.metadata.config_from_gguf`)."""
-    eos = generation_config.get("eos_token_id")
-    if isinstance(eos, int) and not isinstance(eos, bool):
-        return (eos,)
-    if isinstance(eos, list) and eos and all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
-        return tuple(dict.fromkeys(eos))
-    return tuple(eos_token_id)
-
-
-def _find_tokenizer(source: Path):
-    """The tokenizer stored with a checkpoint (folder or .gguf file), or None when it has none."""
-    from qat4.tokenizer import Tokenizer, load_tokenizer
-
-    source = Path(source)
-    try:
-        return Tokenizer.from_gguf(source) if source.is_file() else load_tokenizer(source)
-    except Qat4Error:
-        return None
+        return generation_of(self, seq, stop)

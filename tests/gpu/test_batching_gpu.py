@@ -196,7 +196,7 @@ def test_a_flood_through_the_server_leaks_no_sequence_and_no_memory(engine):
 
 
 def test_serving_compiles_no_kernel_after_the_load():
-    """Every kernel an eager step launches is compiled at load (``Engine._warm_kernels``): a compile
+    """Every kernel an eager step launches is compiled at load (``qat4.engine.warmup.warm_kernels``): a compile
     mid-serving stalls every running sequence for seconds."""
     script = Path(__file__).with_name("serve_without_compiles.py")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
