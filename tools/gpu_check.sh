@@ -4,7 +4,7 @@
 # ./out). Compiled kernels stay in $TRITON_CACHE_DIR (default /tmp/qat4_triton_cache); the cache
 # also leaves as $OUT/triton_cache.tar.xz.NN (15 MiB parts), and parts found in .triton_cache/ are
 # unpacked into it first, so a fresh machine starts with the kernels an earlier one compiled.
-#   usage: tools/gpu_check.sh STEP...   steps: kernels sweep tests bench cap tune serve turns eval spec mtp profile all
+#   usage: tools/gpu_check.sh STEP...   steps: kernels sweep tests bench cap tune serve load turns eval spec mtp profile all
 #     kernels  the int4 kernels at E2B decode shapes: GEMV, decode-batch kernel and GEMM at 2, 16, 64 rows
 #     sweep    every decode-batch tiling at 4, 16 and 64 rows (tools/bench_w4.py --sweep)
 #     tests    pytest -m gpu tests/gpu
@@ -12,6 +12,7 @@
 #     cap      qat4 bench under --memory-cap-mib 3732 with 131,072 tokens held
 #     tune     qat4 bench --tune (saves decode tilings to $LOGS/decode_tilings.json, used by later steps)
 #     serve    qat4 bench serve at 1, 4, 16, 64 clients (512-token prompts, 128 new tokens)
+#     load     the same closed-loop load on the engine alone, at 16 and 64 clients (tools/engine_load.py)
 #     turns    qat4 bench serve --multi-turn: 1, then 8 conversations of 10 turns over an 8,000-word history
 #     eval     qat4 eval: all 1,319 GSM8K problems and the 400 BFCL simple questions against qat4 serve at 64
 #              clients, with their wall times (data from $EVAL_DATA, default ../shared/data)
@@ -78,6 +79,9 @@ if want serve; then
     timeout 500 python3 -m qat4.cli bench serve "${E2B[@]}" --concurrency 1,4,16,64 --input-len 512 --output-len 128 \
         --json "$LOGS/bench_serve.json" --plot "$LOGS/bench_serve.png" \
         --compare llama.cpp=1:357,4:1177,16:2424,64:5222 2>&1 | tee "$LOGS/bench_serve.log" | tail -14
+fi
+if want load; then
+    timeout ${LOAD_TIMEOUT:-300} python3 tools/engine_load.py --concurrency 16,64 2>&1 | tee "$LOGS/engine_load.log" | tail -4
 fi
 if want turns; then
     for sessions in ${TURNS_SESSIONS:-1 8}; do
