@@ -150,6 +150,34 @@ def test_padded_prompt_steps_give_every_sequence_what_it_gets_alone(packed, alon
     assert_pool_empty(engine)
 
 
+def test_the_load_warm_up_runs_every_padded_prompt_step_and_leaves_the_pool_empty(packed, alone, monkeypatch):
+    """The warm-up a CUDA load runs (qat4.engine.warmup), here without graphs, where each capture
+    runs its step once: the chunk at the deepest position, a padded prompt step of every size for
+    one sequence and for several, picking or not, and an eager step of every kernel class. The
+    pool is empty afterwards, and requests still get what they get alone."""
+    from qat4.engine import warmup
+
+    engine = make_engine(packed, prefill_chunk=24)
+    engine.runner = ModelRunner(engine.model, engine.pool, max_num_seqs=engine.max_num_seqs, use_graph=False,
+                                max_chunk=24, pad_chunks=True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    warmup.reserve_workspace(engine)
+    keeps = (0, *warmup.default_keeps(engine))
+    assert set(engine.runner.chunk_graphs) == {(t, s, keep, False, False) for t in (16, 24) for s in (1, 8)
+                                               for keep in keeps}
+    assert_pool_empty(engine)
+    seen = record_logits(engine)
+    seqs = [engine.add_request(prompt(n, i), new, stop_token_ids=[], **sampling)
+            for i, (n, new, sampling) in enumerate(REQUESTS)]
+    while engine.has_work:
+        engine.step()
+    for (tokens, logits), seq in zip(alone, seqs):
+        assert seq.output == tokens
+        for pos, row in logits.items():
+            torch.testing.assert_close(seen[(seq.id, pos)], row, rtol=1e-5, atol=1e-5)
+    assert_pool_empty(engine)
+
+
 GROWING = [(5, 14, {"temperature": 0}), (6, 14, {"temperature": 1.0, "top_k": 64, "seed": 21}),
            (7, 14, {"temperature": 0.9, "top_p": 0.9, "seed": 22})]
 
