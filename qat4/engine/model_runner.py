@@ -45,6 +45,7 @@ verifying step the row of the last draft the target agreed with.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -362,8 +363,8 @@ class ModelRunner:
         if not sampled:
             self.forward_chunks(chunks)
             return torch.zeros(0, dtype=torch.int64, device=self.device), None
-        cu = flat_chunks(chunks)[3]
-        ends = to_device(torch.tensor([cu[i + 1] - 1 for i in sampled]), self.device)
+        last = list(itertools.accumulate(n for _, n in chunks))  # each chunk's last row + 1
+        ends = to_device(torch.tensor([last[i] - 1 for i in sampled]), self.device)
         h, positions, slots = self.forward_chunks(chunks)
         scores = score_buffers(len(sampled), self.top, self.device) if scored else None
         return self._pick_ends(h, positions, ends, slots[ends], keep, masked, scores), scores
