@@ -47,6 +47,15 @@ def make_engine(packed, **options) -> Engine:
     return Engine.from_packed(packed, "cpu", **options)
 
 
+def padded_engine(packed) -> Engine:
+    """An engine whose prompt steps are padded as on CUDA (to 16 or 24 tokens, for one sequence or
+    up to eight), run eagerly."""
+    engine = make_engine(packed, prefill_chunk=24)
+    engine.runner = ModelRunner(engine.model, engine.pool, max_num_seqs=engine.max_num_seqs, use_graph=False,
+                                max_chunk=24, pad_chunks=True)
+    return engine
+
+
 def record_logits(engine: Engine) -> dict:
     """Wrap the runner's token pick so every sampled row's logits are kept, by (sequence, position)."""
     seen = {}
@@ -77,18 +86,19 @@ def run_alone(engine: Engine, requests) -> list[tuple[list[int], dict]]:
     return results
 
 
-def check_same(alone, batched_seqs, seen, exact=True):
-    """Each sequence's tokens equal; its logits bit for bit, or (``exact`` False: a sequence read
-    again after preemption, whose prompt and output go through other chunk shapes) to fp32 rounding."""
+def check_same(alone, batched_seqs, seen, rounded=lambda seq: False):
+    """Each sequence's tokens equal; its logits bit for bit, or to fp32 rounding for the sequences
+    ``rounded`` names (whose rows went through other product shapes: read again after preemption,
+    or in padded prompt steps)."""
     for (tokens, logits), seq in zip(alone, batched_seqs):
         assert seq.output == tokens
         mine = {pos: row for (sid, pos), row in seen.items() if sid == seq.id}
         assert mine.keys() == logits.keys()
         for pos in logits:
-            if exact or not seq.preemptions:
-                assert torch.equal(mine[pos], logits[pos]), pos
-            else:
+            if rounded(seq):
                 torch.testing.assert_close(mine[pos], logits[pos], rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(mine[pos], logits[pos]), pos
 
 
 def assert_pool_empty(engine: Engine):
@@ -126,9 +136,7 @@ def test_padded_prompt_steps_give_every_sequence_what_it_gets_alone(packed, alon
     chunks of several sequences in one step, the empty sequences and padding rows on the scratch
     row, the picks of unfinished prompts there too. Every sequence gets the tokens it gets alone
     and its logits to fp32 rounding (other row counts per product); the pool empties."""
-    engine = make_engine(packed, prefill_chunk=24)
-    engine.runner = ModelRunner(engine.model, engine.pool, max_num_seqs=engine.max_num_seqs, use_graph=False,
-                                max_chunk=24, pad_chunks=True)
+    engine = padded_engine(packed)
     assert engine.runner.chunk_sizes == [16, 24]
     seen = record_logits(engine)
     seqs, steps = [], 0
@@ -141,12 +149,7 @@ def test_padded_prompt_steps_give_every_sequence_what_it_gets_alone(packed, alon
         steps += 1
     shapes = {key[:2] for key in engine.runner.chunk_graphs}  # (padded tokens, sequences) of the steps run
     assert {t for t, _ in shapes} == {16, 24} and {s for _, s in shapes} == {1, 8}
-    for (tokens, logits), seq in zip(alone, seqs):
-        assert seq.output == tokens
-        mine = {pos: row for (sid, pos), row in seen.items() if sid == seq.id}
-        assert mine.keys() == logits.keys()
-        for pos in logits:
-            torch.testing.assert_close(mine[pos], logits[pos], rtol=1e-5, atol=1e-5)
+    check_same(alone, seqs, seen, rounded=lambda seq: True)
     assert_pool_empty(engine)
 
 
@@ -157,9 +160,7 @@ def test_the_load_warm_up_runs_every_padded_prompt_step_and_leaves_the_pool_empt
     pool is empty afterwards, and requests still get what they get alone."""
     from qat4.engine import warmup
 
-    engine = make_engine(packed, prefill_chunk=24)
-    engine.runner = ModelRunner(engine.model, engine.pool, max_num_seqs=engine.max_num_seqs, use_graph=False,
-                                max_chunk=24, pad_chunks=True)
+    engine = padded_engine(packed)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     warmup.reserve_workspace(engine)
     keeps = (0, *warmup.default_keeps(engine))
@@ -171,10 +172,7 @@ def test_the_load_warm_up_runs_every_padded_prompt_step_and_leaves_the_pool_empt
             for i, (n, new, sampling) in enumerate(REQUESTS)]
     while engine.has_work:
         engine.step()
-    for (tokens, logits), seq in zip(alone, seqs):
-        assert seq.output == tokens
-        for pos, row in logits.items():
-            torch.testing.assert_close(seen[(seq.id, pos)], row, rtol=1e-5, atol=1e-5)
+    check_same(alone, seqs, seen, rounded=lambda seq: True)
     assert_pool_empty(engine)
 
 
@@ -194,7 +192,7 @@ def test_preempted_sequences_read_again_and_continue_as_alone(packed):
     while engine.has_work:
         engine.step()
     assert engine.scheduler.preempted_total > 0
-    check_same(alone, seqs, seen, exact=False)
+    check_same(alone, seqs, seen, rounded=lambda seq: seq.preemptions > 0)
     assert_pool_empty(engine)
 
 
