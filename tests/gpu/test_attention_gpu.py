@@ -121,7 +121,7 @@ def _compile_for_sm75(kind, head_dim, split):
     signature.update({name: "*fp32" for name in ("PartAcc", "PartM", "PartL")})
     signature.update({"Pos": "*i64", "CuQ": "*i64", "SeqRows": "*i64", "BlockTable": "*i32"})
     constexprs = {"H": H, "D": head_dim, "BS": 16, "SPLIT": split, "BLOCK_R": tiles.block_r,
-                  "BLOCK_N": tiles.block_n, "USE_PDL": False}  # PDL needs sm_90
+                  "BLOCK_N": tiles.block_n, "BLOCK_B": 0, "USE_PDL": False}  # PDL needs sm_90
     signature.update({name: "constexpr" for name in constexprs})
     src = ASTSource(attn._paged_attn_kernel, signature, constexprs)
     options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
