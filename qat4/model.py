@@ -78,15 +78,16 @@ def largest_product(config: Gemma4Config) -> int:
 CUBLAS_WORKSPACE_NBYTES = 32 << 20  # what cuBLAS keeps per thread and stream on Hopper (torch's default)
 
 
-def expansion_nbytes(config: Gemma4Config, dtype: torch.dtype, device: torch.device) -> int:
+def expansion_nbytes(config: Gemma4Config, dtype: torch.dtype, device: torch.device, streams: int = 1) -> int:
     """Bytes the expanded prompt products (:mod:`qat4.ops.w4.expanded`) of this model take: their
     scratch, unless one that holds the largest matrix is reserved already, and the workspace
-    cuBLAS keeps for the thread that runs the engine; 0 where they do not take that path."""
+    cuBLAS keeps for each of the ``streams`` that run them (the engine's; with CUDA graphs also
+    the warm-up and capture streams); 0 where they do not take that path."""
     if not expands_products(dtype, device):
         return 0
     numel = largest_product(config)
     scratch = 0 if has_scratch(device, dtype, numel) else numel * torch.empty((), dtype=dtype).element_size()
-    return scratch + CUBLAS_WORKSPACE_NBYTES
+    return scratch + streams * CUBLAS_WORKSPACE_NBYTES
 
 
 def dtype_round(value: float, dtype: torch.dtype) -> float:

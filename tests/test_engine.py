@@ -256,7 +256,7 @@ def test_plan_takes_the_largest_chunk_and_the_most_sequences_that_fit(monkeypatc
     cuda = torch.device("cuda", 0)
     reserve, per_token = 120 * mib, memory.PREFILL_BYTES_PER_TOKEN
     monkeypatch.setattr(memory, "tuning_reserve", lambda device: reserve)
-    monkeypatch.setattr(memory, "expansion_nbytes", lambda cfg, dtype, device: 75 * mib)
+    monkeypatch.setattr(memory, "expansion_nbytes", lambda cfg, dtype, device, streams=1: 75 * mib)
     base = 110 * mib + reserve
     for free, seqs, chunk in ((10**11, 64, 4096), (base + 64 * mib + 1024 * per_token, 64, 1024),
                               (base + 64 * mib + 300 * per_token, 64, 256), (base + 20 * mib + 256 * per_token, 20, 256)):

@@ -79,6 +79,7 @@ def _build(engine_class: type[Engine], packed: PackedModel, device: torch.device
                           spec_tokens=config.spec_tokens if config.speculative else 0,
                           keep_hidden=assistant is not None)
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # the load's transient blocks: under a cap, reserved bytes count, not live ones
         saved = load_tilings(device, resolved.dtype)
         pin_matvec_tilings(saved)
         reserve_workspace(engine)

@@ -98,20 +98,24 @@ def rope_nbytes(cfg: Gemma4Config, max_ctx: int, dtype: torch.dtype) -> int:
 
 
 GRAPH_NBYTES = 8 * MIB  # what one captured decode graph keeps beside the shared pool (attention partials)
+# Working memory per logit of a row sampled over the whole vocabulary (qat4.engine.sampler.sample:
+# the sort, its int64 ids, the integer CDF and their temporaries): on the H200 the 16-row sampled
+# decode graph of E2B (262,144 logits a row) reserved 240 MiB, 15 MiB a row.
+SAMPLED_BYTES_PER_LOGIT = 64
 
 
 def decode_nbytes(packed: PackedModel, seqs: int, spec_tokens: int = 0) -> int:
     """Working memory of decode steps over up to ``seqs`` sequences, each with up to
-    ``spec_tokens`` drafts while at most SPEC_MAX_BATCH decode: per row the fp32 logits of a sampled
-    step and as much again for the softmax beside them, headroom for the activations, and what the
-    two graphs captured per batch size and rows per sequence (greedy and the default sampling) keep."""
+    ``spec_tokens`` drafts while at most SPEC_MAX_BATCH decode: per row a row sampled over the whole
+    vocabulary (SAMPLED_BYTES_PER_LOGIT) and headroom for the activations, and what the two graphs
+    captured per batch size and rows per sequence (greedy and the default sampling) keep."""
     from qat4.engine.model_runner import graph_sizes
     from qat4.engine.speculation import SPEC_MAX_BATCH
 
     spec_sizes = [b for b in graph_sizes(seqs) if b <= SPEC_MAX_BATCH] if spec_tokens else []
     rows = max([seqs] + [b * (1 + spec_tokens) for b in spec_sizes])
     graphs = len(graph_sizes(seqs)) + len(spec_sizes) * spec_tokens
-    return rows * (packed.config.vocab_size * 4 * 2 + (1 << 20)) + 2 * graphs * GRAPH_NBYTES
+    return rows * (packed.config.vocab_size * SAMPLED_BYTES_PER_LOGIT + (1 << 20)) + 2 * graphs * GRAPH_NBYTES
 
 
 def chunk_graph_nbytes(prefill_chunk: int) -> int:
@@ -218,6 +222,6 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig,
             f"a prompt cache of {cache_mib:g} MiB (prompt_cache_mib) does not fit beside the model, the KV pool and "
             f"their working memory{cap_text(config.memory_cap_mib)}; {max(0, room) / MIB:,.0f} MiB are left"
         )
-    expansion = expansion_nbytes(cfg, dtype, device)
+    expansion = expansion_nbytes(cfg, dtype, device, streams=3 if config.cuda_graph else 1)
     expand = 0 < expansion <= room - cache_blocks * sliding_nbytes
     return Plan(dtype, max_ctx, seqs, chunk, kv_tokens, kv(seqs, chunk, cache_blocks)[0], cap, on, window, expand)

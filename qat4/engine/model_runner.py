@@ -45,6 +45,8 @@ verifying step the row of the last draft the target agreed with.
 
 from __future__ import annotations
 
+import functools
+
 import itertools
 from collections.abc import Callable
 
@@ -99,10 +101,20 @@ def uses_graphs(cuda_graph: bool, device: torch.device) -> bool:
     return cuda_graph and device.type == "cuda"
 
 
+@functools.lru_cache(maxsize=None)
+def warm_up_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream on which :func:`capture_graph` runs its eager warm-ups on ``device``.
+    cuBLAS keeps a 32 MiB workspace per stream it has run on, for good: a new stream per capture
+    kept one more workspace for every graph whose products reach cuBLAS (576 MiB over E2B's
+    prompt-step graphs, which broke the 3,732 MiB plan)."""
+    return torch.cuda.Stream(device)
+
+
 def capture_graph(run: Callable[[], None], device: torch.device, pool=None) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``run`` (in memory pool ``pool``, when given): two eager runs on a side
-    stream first, which compile and tune its kernels, then the capture."""
-    side = torch.cuda.Stream(device)
+    """A CUDA graph of ``run`` (in memory pool ``pool``, when given): two eager runs on the
+    device's warm-up stream first, which compile and tune its kernels, then the capture (on
+    torch's one capture stream)."""
+    side = warm_up_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(2):
