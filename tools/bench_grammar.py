@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from qat4.chat.grammars import grammars_for  # noqa: E402
+from qat4.config import E2B  # noqa: E402
 from qat4.engine.sampler import mask_logits  # noqa: E402
 from vocab_fixtures import VOCAB_GGUF  # noqa: E402
 from qat4.tokenizer import Tokenizer  # noqa: E402
@@ -61,7 +62,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     args = parser.parse_args()
     tokenizer = Tokenizer.from_gguf(VOCAB_GGUF)
-    grammars = grammars_for(tokenizer)
+    grammars = grammars_for(tokenizer, E2B.eos_token_id)
     cases = {
         "json_schema": (lambda: grammars.json(SCHEMA), tokenizer.encode(json.dumps(REPLY))),
         "tool call": (lambda: grammars.tool_calls([TOOL], "name"), tokenizer.encode(CALL)),
