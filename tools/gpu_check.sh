@@ -4,7 +4,7 @@
 # ./out). Compiled kernels stay in $TRITON_CACHE_DIR (default /tmp/qat4_triton_cache); the cache
 # also leaves as $OUT/triton_cache.tar.xz.NN (15 MiB parts), and parts found in .triton_cache/ are
 # unpacked into it first, so a fresh machine starts with the kernels an earlier one compiled.
-#   usage: tools/gpu_check.sh STEP...   steps: kernels sweep tests bench cap tune serve load turns eval spec mtp profile all
+#   usage: tools/gpu_check.sh STEP...   steps: kernels sweep tests bench cap tune serve load turns eval spec mtp grammar profile all
 #     kernels  the int4 kernels at E2B decode shapes: GEMV, decode-batch kernel and GEMM at 2, 16, 64 rows
 #     sweep    every decode-batch tiling at 4, 16 and 64 rows (tools/bench_w4.py --sweep)
 #     tests    pytest -m gpu tests/gpu
@@ -18,6 +18,8 @@
 #              clients, with their wall times (data from $EVAL_DATA, default ../shared/data)
 #     spec     qat4 bench speculative: verification cost and speed-up at acceptance 0 .. 0.9, batch 1 and 16
 #     mtp      the same with a synthetic E2B MTP drafter: its drafts' cost, paid in every replayed step
+#     grammar  the decode step with every row constrained by a JSON schema against unconstrained, at 1 and 16 rows
+#              (tools/bench_grammar.py --engine)
 #     profile  tools/profile_step.py at 1 and 64 sequences
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -107,6 +109,10 @@ if want mtp; then
     timeout ${MTP_TIMEOUT:-400} python3 -m qat4.cli bench speculative "${E2B[@]}" --mtp /tmp/qat4_mtp_e2b --batch 1,16 \
         --acceptance ${MTP_AS:-0,0.5,0.7,0.9} --k ${MTP_KS:-2,3,4,8} --spec-tokens 8 --new 128 --context 512 --json "$LOGS/bench_mtp.json" 2>&1 \
         | tee "$LOGS/bench_mtp.log" | tail -40
+fi
+if want grammar; then
+    timeout ${GRAMMAR_TIMEOUT:-240} python3 tools/bench_grammar.py --device cuda --engine --rows 1 16 --json "$LOGS/bench_grammar.json" 2>&1 \
+        | tee "$LOGS/bench_grammar.log" | tail -8
 fi
 if want profile; then
     for batch in ${PROFILE_BATCHES:-1 64}; do
