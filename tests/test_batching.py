@@ -47,10 +47,10 @@ def make_engine(packed, **options) -> Engine:
     return Engine.from_packed(packed, "cpu", **options)
 
 
-def padded_engine(packed) -> Engine:
+def padded_engine(packed, **options) -> Engine:
     """An engine whose prompt steps are padded as on CUDA (to 16 or 24 tokens, for one sequence or
     up to eight), run eagerly."""
-    engine = make_engine(packed, prefill_chunk=24)
+    engine = make_engine(packed, prefill_chunk=24, **options)
     engine.runner = ModelRunner(engine.model, engine.pool, max_num_seqs=engine.max_num_seqs, use_graph=False,
                                 max_chunk=24, pad_chunks=True)
     return engine
@@ -173,6 +173,29 @@ def test_the_load_warm_up_runs_every_padded_prompt_step_and_leaves_the_pool_empt
     while engine.has_work:
         engine.step()
     check_same(alone, seqs, seen, rounded=lambda seq: True)
+    assert_pool_empty(engine)
+
+
+def test_the_warm_up_runs_prompt_steps_longer_than_the_context(packed, monkeypatch):
+    """A context of 20 tokens with prompt steps of up to 24 (several short prompts at once): the
+    warm-up's padded steps stay at positions inside the context, and three prompts read in one
+    step get the tokens each gets alone."""
+    from qat4.engine import warmup
+
+    engine = padded_engine(packed, max_ctx=20)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    warmup.reserve_workspace(engine)
+    assert {key[0] for key in engine.runner.chunk_graphs} == {16, 24}
+    prompts = [prompt(8, i) for i in range(3)]
+    alone = []
+    for p in prompts:
+        alone.append(engine.add_request(p, 4, temperature=0, stop_token_ids=[]))
+        while engine.has_work:
+            engine.step()
+    together = [engine.add_request(p, 4, temperature=0, stop_token_ids=[]) for p in prompts]
+    while engine.has_work:
+        engine.step()
+    assert [s.output for s in together] == [s.output for s in alone]
     assert_pool_empty(engine)
 
 

@@ -419,7 +419,9 @@ class ModelRunner:
         if (t, s, keep, masked, scored) in self.chunk_graphs:
             return
         scratch = self.pool.scratch_row
-        self._chunk_meta[:, :t] = torch.stack([torch.zeros(t, dtype=torch.int64), torch.arange(t),
+        # one sequence of t tokens at positions inside the context: a step of several sequences may
+        # hold more tokens than max_ctx (16 prompts of 32 tokens in a 176-token context)
+        self._chunk_meta[:, :t] = torch.stack([torch.zeros(t, dtype=torch.int64), torch.arange(t) % self.max_ctx,
                                                torch.full((t,), scratch)]).to(self.device)
         self._chunk_seqs[: 4 * s + 1].copy_(torch.tensor([0] + [t] * s + [scratch] * s + [t - 1] * s + [scratch] * s))
         graph = None
