@@ -211,6 +211,45 @@ def test_kernel_matvec_pinned_tiling_replaces_the_autotuners(monkeypatch):
 
 
 @kernel_test
+def test_kernel_matvec_tilings_of_two_models_are_apart(monkeypatch):
+    """Two MatvecTilings (two models in one process) share no pins and no record: a shape pinned in
+    one launches through the other on that one's own pin, or the autotuner's pick; a launch given
+    none takes the autotuner's pick and records nothing."""
+    x, packed, scales = kernel_inputs(1, 40, 512, torch.float32, torch.float16)
+    key = (40, 16, 1, 0, False, "float32")
+    split_3, whole = dict(SPLIT_3, RR=4, TR=16), {"RR": 2, "TR": 32, "BLOCK_G": 1, "SPLIT_K": 1}
+    launched = []
+
+    class Spy:
+        def __init__(self, real, name):
+            self.real, self.name = real, name
+
+        def __getitem__(self, grid):
+            launched.append(grid if self.name == "pinned" else self.name)
+            return self.real[grid]
+
+        def __getattr__(self, attr):  # the autotuner's best_config
+            return getattr(self.real, attr)
+
+    monkeypatch.setattr(wv, "_matvec_kernel", Spy(wv._matvec_kernel, "pinned"))
+    monkeypatch.setattr(wv, "_matvec_tuned", Spy(wv._matvec_tuned, "autotuned"))
+    mine, theirs = wt.MatvecTilings(), wt.MatvecTilings()
+    want = wr.w4_linear_reference(x, packed, scales)
+    mine.pin({key: split_3})
+    for tilings in (theirs, None, mine):
+        assert rel_err(wv.w4_matvec(x, packed, scales, tilings=tilings), want) < OUT_TOL[torch.float32]
+    assert launched == ["autotuned", "autotuned", (1, 3, 1)]
+    (picked,) = theirs.launched().values()
+    assert theirs.launched() == {key: picked} and mine.launched() == {key: split_3}
+    theirs.pin({key: whole})
+    launched.clear()
+    for tilings in (theirs, mine):
+        assert rel_err(wv.w4_matvec(x, packed, scales, tilings=tilings), want) < OUT_TOL[torch.float32]
+    assert launched == [(1, 1, 1), (1, 3, 1)]
+    assert theirs.launched() == {key: whole} and mine.launched() == {key: split_3}
+
+
+@kernel_test
 def test_kernel_matvec_writes_into_out_and_split_k_is_deterministic():
     x, packed, scales = kernel_inputs(2, 24, 512, torch.float32, torch.float16)
     out = torch.full((2, 24), float("nan"), device=KERNEL_DEVICE)
