@@ -29,6 +29,7 @@ from qat4.ops.w4.dispatch import expands_products, w4_argmax, w4_linear, w4_line
 from qat4.ops.w4.embedding import w4_embedding
 from qat4.ops.w4.expanded import has_scratch, reserve_scratch
 from qat4.ops.w4.reference import ResidualStep
+from qat4.ops.w4.tiling import MatvecTilings
 
 class Pages(Protocol):
     """The KV pages a forward reads and writes (:class:`qat4.engine.kv_cache.KVPool`): K and V
@@ -48,22 +49,6 @@ class ForwardBatch:
 
     seqs: PagedSeqs
     store_rows: dict[str, torch.Tensor]
-
-
-def linear(x: torch.Tensor, w: PackedTensor) -> torch.Tensor:
-    """x [T, in] @ w.T -> [T, out] straight from the packed words."""
-    return w4_linear(x, w.packed, w.scales)
-
-
-def linear_gelu(x: torch.Tensor, w: PackedTensor, up: torch.Tensor | None = None) -> torch.Tensor:
-    """gelu_tanh(x @ gate.T) * (x @ up.T) for w with alternating gate/up rows [2I, in] -> [T, I];
-    or gelu_tanh(x @ w.T) * up for a given up [T, out]."""
-    return w4_linear_gelu(x, w.packed, w.scales, up)
-
-
-def linear_residual(x: torch.Tensor, w: PackedTensor, step: ResidualStep) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [T, in] @ w.T fed into a residual step -> (h out [T, D], next input norm [T, D] or None)."""
-    return w4_linear_residual(x, w.packed, w.scales, step)
 
 
 def largest_product(config: Gemma4Config) -> int:
@@ -144,6 +129,8 @@ class Gemma4:
     returns the final-normed hidden states; ``logits`` / ``argmax`` apply the output layer and
     softcap. With ``expand`` (the memory plan's choice) it reserves the scratch in which prompt
     products expand their matrices (:mod:`qat4.ops.w4.expanded`); without it they run the GEMM.
+    ``tilings`` holds the decode GEMV tilings it pins and those it launched
+    (:class:`qat4.ops.w4.tiling.MatvecTilings`), its own: another model in the process has others.
     """
 
     def __init__(self, model: PackedModel, device: torch.device | str, dtype: torch.dtype, max_positions: int,
@@ -153,6 +140,7 @@ class Gemma4:
         self.eps = cfg.rms_norm_eps
         self.heads = cfg.num_attention_heads
         self.softcap = cfg.final_logit_softcapping
+        self.tilings = MatvecTilings()
         self.embed_tokens = self._matrix(model["embed_tokens"])
         self.output = self.embed_tokens if model.lm_head is None else self._matrix(model.lm_head)
         self.ple_table = self._matrix(model["embed_tokens_per_layer"])
@@ -229,6 +217,22 @@ class Gemma4:
                 add(t)
         return sum(seen.values())
 
+    # ---- products ----------------------------------------------------------------------------
+
+    def linear(self, x: torch.Tensor, w: PackedTensor) -> torch.Tensor:
+        """x [T, in] @ w.T -> [T, out] straight from the packed words."""
+        return w4_linear(x, w.packed, w.scales, tilings=self.tilings)
+
+    def linear_gelu(self, x: torch.Tensor, w: PackedTensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        """gelu_tanh(x @ gate.T) * (x @ up.T) for w with alternating gate/up rows [2I, in] -> [T, I];
+        or gelu_tanh(x @ w.T) * up for a given up [T, out]."""
+        return w4_linear_gelu(x, w.packed, w.scales, up, tilings=self.tilings)
+
+    def linear_residual(self, x: torch.Tensor, w: PackedTensor,
+                        step: ResidualStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, in] @ w.T fed into a residual step -> (h out [T, D], next input norm [T, D] or None)."""
+        return w4_linear_residual(x, w.packed, w.scales, step, tilings=self.tilings)
+
     # ---- forward -----------------------------------------------------------------------------
 
     def embed_input(self, ids: torch.Tensor) -> torch.Tensor:
@@ -241,7 +245,7 @@ class Gemma4:
         T, L, P = ids.shape[0], cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
         h = self.embed_input(ids)
         token_part = w4_embedding(ids, self.ple_table.packed, self.ple_table.scales, self.ple_scale, self.dtype)
-        context = linear(h, self.ple_projection) * cfg.hidden_size**-0.5
+        context = self.linear(h, self.ple_projection) * cfg.hidden_size**-0.5
         context = rms_norm(context.view(T, L, P), self.ple_norm, self.eps)
         return h, (context + token_part.view(T, L, P)) * 2**-0.5
 
@@ -264,17 +268,19 @@ class Gemma4:
                pages: Pages, batch: ForwardBatch, next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer: h [T, D] and its input norm x -> (h out, RMSNorm_next_norm(h out))."""
         T, H, d, eps = h.shape[0], self.heads, layer.head_dim, self.eps
-        qkv = linear(x, layer.qkv)
+        qkv = self.linear(x, layer.qkv)
         q = qkv[:, : H * d].view(T, H, d)
         k = qkv[:, H * d : (H + 1) * d].view(T, 1, d) if layer.owns_kv else None
         v = qkv[:, (H + 1) * d :].view(T, 1, d) if layer.owns_kv else None
         o = self._attention(layer, q, k, v, positions, pages, batch)
-        h, x = linear_residual(o.reshape(T, H * d), layer.o_proj,
-                               ResidualStep(h, layer.post_attention_norm, next_weight=layer.pre_feedforward_norm, eps=eps))
-        h, _ = linear_residual(linear_gelu(x, layer.gate_up), layer.down,
-                               ResidualStep(h, layer.post_feedforward_norm, eps=eps))
-        gated = linear_gelu(h, layer.ple_gate, ple[:, layer.index])
-        return linear_residual(gated, layer.ple_proj, ResidualStep(h, layer.post_ple_norm, layer.scalar, next_norm, eps))
+        h, x = self.linear_residual(
+            o.reshape(T, H * d), layer.o_proj,
+            ResidualStep(h, layer.post_attention_norm, next_weight=layer.pre_feedforward_norm, eps=eps))
+        h, _ = self.linear_residual(self.linear_gelu(x, layer.gate_up), layer.down,
+                                    ResidualStep(h, layer.post_feedforward_norm, eps=eps))
+        gated = self.linear_gelu(h, layer.ple_gate, ple[:, layer.index])
+        return self.linear_residual(gated, layer.ple_proj,
+                                    ResidualStep(h, layer.post_ple_norm, layer.scalar, next_norm, eps))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, pages: Pages, batch: ForwardBatch) -> torch.Tensor:
         """ids [T] at positions [T] (int64, on the device) -> final-normed hidden [T, D].

@@ -110,15 +110,18 @@ def test_dispatch_follows_qat4_ops_and_the_rows(monkeypatch):
     _, _, packed, scales = random_weight(24, 64)
     calls = []
     for name in ("w4_matvec", "w4_batch_linear", "w4_matmul"):
-        monkeypatch.setattr(w4, name, lambda x, p, s, name=name: calls.append(name) or wr.w4_linear_reference(x, p, s))
+        monkeypatch.setattr(w4, name, lambda x, p, s, name=name, **kw: calls.append((name, kw))
+                            or wr.w4_linear_reference(x, p, s))
     x_small = torch.randn(2, 2, 64)  # leading dims are flattened
     for mode in ("auto", "reference"):
         monkeypatch.setenv("QAT4_OPS", mode)
         assert w4.w4_linear(x_small, packed, scales).shape == (2, 2, 24) and calls == []
     monkeypatch.setenv("QAT4_OPS", "triton")
+    tilings = wt.MatvecTilings()  # the model's, handed to the GEMV alone
     for rows in (1, w4.GEMV_ROWS, w4.GEMV_ROWS + 1, w4.BATCH_ROWS, w4.BATCH_ROWS + 1):
-        w4.w4_linear(torch.randn(rows, 64), packed, scales)
-    assert calls == ["w4_matvec", "w4_matvec", "w4_batch_linear", "w4_batch_linear", "w4_matmul"]
+        w4.w4_linear(torch.randn(rows, 64), packed, scales, tilings=tilings)
+    gemv = ("w4_matvec", {"tilings": tilings})
+    assert calls == [gemv, gemv, ("w4_batch_linear", {}), ("w4_batch_linear", {}), ("w4_matmul", {})]
     monkeypatch.setenv("QAT4_OPS", "fast")
     with pytest.raises(Qat4Error, match="QAT4_OPS"):
         w4.w4_linear(x_small, packed, scales)
@@ -180,13 +183,13 @@ def test_kernel_matvec(m, n, k, x_dtype, scale_dtype, config):
 
 @kernel_test
 def test_kernel_matvec_pinned_tiling_replaces_the_autotuners(monkeypatch):
-    """A launch records the autotuner's pick per shape; a pinned tiling is launched instead."""
-    monkeypatch.setattr(wt, "_pinned_tilings", {})
-    monkeypatch.setattr(wt, "_launched_tilings", {})
+    """A launch records the autotuner's pick per shape in the tilings it is given; a tiling pinned
+    there is launched instead."""
+    tilings = wt.MatvecTilings()
     x, packed, scales = kernel_inputs(1, 40, 512, torch.float32, torch.float16)
     want = wr.w4_linear_reference(x, packed, scales)
-    assert rel_err(wv.w4_matvec(x, packed, scales), want) < OUT_TOL[torch.float32]
-    (key, picked), = wt.matvec_tilings().items()
+    assert rel_err(wv.w4_matvec(x, packed, scales, tilings=tilings), want) < OUT_TOL[torch.float32]
+    (key, picked), = tilings.launched().items()
     assert key == (40, 16, 1, 0, False, "float32")
     assert picked in wt.matvec_tiling_candidates(key, x.device)
     pinned = dict(SPLIT_3, RR=4, TR=16)
@@ -199,12 +202,51 @@ def test_kernel_matvec_pinned_tiling_replaces_the_autotuners(monkeypatch):
             return real[grid]
 
     monkeypatch.setattr(wv, "_matvec_kernel", Spy())
-    wt.pin_matvec_tilings({key: pinned})
-    wt.forget_matvec_tilings()
-    assert wt.matvec_tilings() == {}
-    assert rel_err(wv.w4_matvec(x, packed, scales), want) < OUT_TOL[torch.float32]
+    tilings.pin({key: pinned})
+    tilings.forget()
+    assert tilings.launched() == {}
+    assert rel_err(wv.w4_matvec(x, packed, scales, tilings=tilings), want) < OUT_TOL[torch.float32]
     assert launched == [(1, 3, 1)]  # 40 rows in one block of 64, three splits
-    assert wt.matvec_tilings() == {key: pinned}
+    assert tilings.launched() == {key: pinned}
+
+
+@kernel_test
+def test_kernel_matvec_tilings_of_two_models_are_apart(monkeypatch):
+    """Two MatvecTilings (two models in one process) share no pins and no record: a shape pinned in
+    one launches through the other on that one's own pin, or the autotuner's pick; a launch given
+    none takes the autotuner's pick and records nothing."""
+    x, packed, scales = kernel_inputs(1, 40, 512, torch.float32, torch.float16)
+    key = (40, 16, 1, 0, False, "float32")
+    split_3, whole = dict(SPLIT_3, RR=4, TR=16), {"RR": 2, "TR": 32, "BLOCK_G": 1, "SPLIT_K": 1}
+    launched = []
+
+    class Spy:
+        def __init__(self, real, name):
+            self.real, self.name = real, name
+
+        def __getitem__(self, grid):
+            launched.append(grid if self.name == "pinned" else self.name)
+            return self.real[grid]
+
+        def __getattr__(self, attr):  # the autotuner's best_config
+            return getattr(self.real, attr)
+
+    monkeypatch.setattr(wv, "_matvec_kernel", Spy(wv._matvec_kernel, "pinned"))
+    monkeypatch.setattr(wv, "_matvec_tuned", Spy(wv._matvec_tuned, "autotuned"))
+    mine, theirs = wt.MatvecTilings(), wt.MatvecTilings()
+    want = wr.w4_linear_reference(x, packed, scales)
+    mine.pin({key: split_3})
+    for tilings in (theirs, None, mine):
+        assert rel_err(wv.w4_matvec(x, packed, scales, tilings=tilings), want) < OUT_TOL[torch.float32]
+    assert launched == ["autotuned", "autotuned", (1, 3, 1)]
+    (picked,) = theirs.launched().values()
+    assert theirs.launched() == {key: picked} and mine.launched() == {key: split_3}
+    theirs.pin({key: whole})
+    launched.clear()
+    for tilings in (theirs, mine):
+        assert rel_err(wv.w4_matvec(x, packed, scales, tilings=tilings), want) < OUT_TOL[torch.float32]
+    assert launched == [(1, 1, 1), (1, 3, 1)]
+    assert theirs.launched() == {key: whole} and mine.launched() == {key: split_3}
 
 
 @kernel_test

@@ -22,7 +22,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from qat4.commands.bench import load_packed_for_bench  # noqa: E402
 from qat4.engine import Engine  # noqa: E402
 from qat4.engine.tuning import describe_tilings  # noqa: E402
-from qat4.ops.w4.tiling import matvec_tilings  # noqa: E402
 
 
 def kernel_table(prof, steps: int, top: int) -> tuple[str, float, int]:
@@ -81,7 +80,7 @@ def main() -> None:
           f"kernel time, {step_us:.0f} µs per step in the engine's loop ({args.batch * 1e6 / step_us:,.0f} tok/s)")
     print(table)
     print("\nGEMV tilings, pinned or autotuned:")
-    print("\n".join("  " + line for line in describe_tilings(matvec_tilings())))
+    print("\n".join("  " + line for line in describe_tilings(engine.model.tilings.launched())))
     for s in seqs:
         engine.abort(s)
     engine.drain()

@@ -5,7 +5,8 @@ drafter's checkpoint before anything goes to the device, and plans the memory
 (:mod:`qat4.engine.memory`); without an explicit max_num_seqs, a build that runs out of GPU memory
 (the plan's estimate of the working memory fell short) is tried again with half as many sequences.
 Each build puts the model and the KV pool on the device, makes the engine, and on CUDA pins the
-decode GEMV tilings saved for this GPU (:mod:`qat4.engine.tuning`) before the warm-up
+decode GEMV tilings saved for this GPU (:mod:`qat4.engine.tuning`) in the model's
+:attr:`~qat4.model.Gemma4.tilings` before the warm-up
 (:mod:`qat4.engine.warmup`); then it turns speculative decoding on with the drafter asked for.
 """
 
@@ -25,7 +26,6 @@ from qat4.engine.tuning import load_tilings
 from qat4.engine.warmup import reserve_workspace
 from qat4.errors import Qat4Error
 from qat4.model import Gemma4
-from qat4.ops.w4.tiling import matvec_tilings, pin_matvec_tilings
 
 if TYPE_CHECKING:
     from qat4.engine.engine import Engine
@@ -81,9 +81,9 @@ def _build(engine_class: type[Engine], packed: PackedModel, device: torch.device
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the load's transient blocks: under a cap, reserved bytes count, not live ones
         saved = load_tilings(device, resolved.dtype)
-        pin_matvec_tilings(saved)
+        model.tilings.pin(saved)
         reserve_workspace(engine)
-        launched = matvec_tilings()  # the decode steps' GEMV shapes, captured just now
+        launched = model.tilings.launched()  # the decode steps' GEMV shapes, captured just now
         engine.pinned_tilings = (sum(key in saved for key in launched), len(launched))
     if assistant is not None:
         from qat4.assistant import Gemma4Assistant

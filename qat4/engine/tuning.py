@@ -6,8 +6,8 @@ isolated timings do not rank tilings for it: on an H200 the same code decodes in
 per step depending on the picks (BENCHMARKS.md). :func:`tune_decode_tilings` starts from the
 tilings in use and, shape by shape (the most weight bytes first), tries each candidate tiling by
 capturing the step anew and timing its graph replays; a candidate replaces the current tiling only
-when the step gets faster by more than ``margin``. The winners are pinned
-(:func:`qat4.ops.w4.tiling.pin_matvec_tilings`) and can be saved per GPU, dtype and Triton version
+when the step gets faster by more than ``margin``. The winners are pinned in the model's tilings
+(:meth:`qat4.ops.w4.tiling.MatvecTilings.pin`) and can be saved per GPU, dtype and Triton version
 (:func:`save_tilings`) and pinned again at the next load (:func:`load_tilings`).
 """
 
@@ -22,9 +22,7 @@ from typing import Callable
 import torch
 
 from qat4.ops._triton import TRITON_VERSION
-from qat4.ops.w4.tiling import (
-    TILING_KEYS, forget_matvec_tilings, matvec_tiling_candidates, matvec_tilings, pin_matvec_tilings,
-)
+from qat4.ops.w4.tiling import TILING_KEYS, matvec_tiling_candidates
 
 Tilings = dict[tuple, dict]
 
@@ -49,7 +47,7 @@ def descend(start: Tilings, candidates: dict[tuple, list[dict]], measure: Callab
 
 def step_time_us(runner, key: tuple[int, int, int, bool, bool], replays: int) -> float:
     """Capture the runner's decode graph for `key` (batch size, rows per sequence, keep, masked,
-    scored) anew with the tilings pinned now and return µs per replay (:func:`replay_us`). A capture writes only the
+    scored) anew with the tilings its model pins now and return µs per replay (:func:`replay_us`). A capture writes only the
     pool's scratch row, so the replays do too."""
     runner.graphs.pop(key, None)
     runner.capture(*key)
@@ -91,26 +89,27 @@ def best_seconds(run: Callable[[], None], device: torch.device, tries: int = 3) 
 def tune_decode_tilings(runner, key: tuple[int, int, int, bool, bool], replays: int = 50,
                         margin: float = 0.01) -> tuple[Tilings, float, float]:
     """Pick every GEMV tiling of the decode graph `key` (batch size, rows per sequence, keep, masked,
-    scored) by whole-step replay time (module docstring) and pin them.
+    scored) by whole-step replay time (module docstring) and pin them in the runner's model's tilings.
 
     Starts from the tilings in use (the autotuner's picks, or those pinned at load). Drops the
     graph for `key` (captured last with a trial tiling): the next capture uses the tilings found.
     Returns (tilings, µs per step with the starting tilings, µs per step with the tilings found).
     """
+    in_use = runner.model.tilings
     runner.graphs.pop(key, None)
-    forget_matvec_tilings()
+    in_use.forget()
     runner.capture(*key)  # eager warm-up steps launch (and autotune) every GEMV shape of the step
-    start = matvec_tilings()
+    start = in_use.launched()
     device = runner.device
     by_bytes = sorted(start, key=lambda shape: shape[0] * shape[1], reverse=True)
     candidates = {shape: matvec_tiling_candidates(shape, device) for shape in by_bytes}
 
     def measure(tilings: Tilings) -> float:
-        pin_matvec_tilings(tilings)
+        in_use.pin(tilings)
         return step_time_us(runner, key, replays)
 
     best, after, before = descend(start, candidates, measure, margin)
-    pin_matvec_tilings(best)
+    in_use.pin(best)
     runner.graphs.pop(key, None)
     return best, before, after
 

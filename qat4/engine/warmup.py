@@ -15,7 +15,6 @@ import torch
 
 from qat4.engine.sampler import SamplingParams
 from qat4.engine.sequence import Sequence
-from qat4.ops.w4.tiling import forget_matvec_tilings
 
 if TYPE_CHECKING:
     from qat4.engine.engine import Engine
@@ -30,7 +29,8 @@ def reserve_workspace(engine: Engine) -> None:
     """Read one prompt chunk at the deepest position, capture the decode graphs
     (:func:`capture_graphs`) and compile the eager steps' kernels (:func:`warm_kernels`), so
     the caching allocator holds their peak working memory from load on and no request waits
-    for a compile. Afterwards :func:`matvec_tilings` lists the decode steps' GEMV shapes."""
+    for a compile. Afterwards the model's tilings
+    (:meth:`~qat4.ops.w4.tiling.MatvecTilings.launched`) list the decode steps' GEMV shapes."""
     deep = min(engine.max_ctx, engine.pool.capacity_tokens)
     chunk = min(engine.prefill_chunk, deep)
     probe = Sequence([0] * deep, SamplingParams(temperature=0), 0, 1, frozenset())
@@ -40,7 +40,7 @@ def reserve_workspace(engine: Engine) -> None:
         engine.pool.flush()
         h, _, _ = engine.runner.forward_chunks([(probe, chunk)])
         engine.model.argmax(h[-1:])
-        forget_matvec_tilings()
+        engine.model.tilings.forget()
         capture_graphs(engine)
         warm_kernels(engine, probe)
         torch.cuda.synchronize(engine.device)

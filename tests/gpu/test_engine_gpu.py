@@ -205,22 +205,17 @@ def test_decode_tuning_saves_tilings_that_the_next_load_pins(tmp_path, monkeypat
     from qat4.checkpoint.synth import write_synthetic
     from qat4.config import TINY
     from qat4.engine.tuning import load_tilings
-    from qat4.ops.w4 import tiling as wt
 
     monkeypatch.setenv("QAT4_TILINGS", str(tmp_path / "tilings.json"))
     folder = write_synthetic(tmp_path / "ckpt", TINY, "ct-emb4", seed=1)
-    try:
-        engine = Engine.load(folder, "cuda", max_ctx=512)
-        assert engine.pinned_tilings[0] == 0 < engine.pinned_tilings[1]  # nothing saved yet
-        before, after, path = engine.tune_decode(replays=10)
-        assert path == tmp_path / "tilings.json" and 0 < after <= before
-        saved = load_tilings(engine.device, engine.dtype)
-        assert saved and saved == {key: wt.matvec_tilings()[key] for key in saved}
-        wt.pin_matvec_tilings({})
-        again = Engine.load(folder, "cuda", max_ctx=512)
-        now = wt.matvec_tilings()
-        assert all(now[key] == tiling for key, tiling in saved.items())
-        assert again.pinned_tilings == (len(saved), len(now))
-        assert len(again.generate([2, 5, 6], max_new_tokens=8, temperature=0, stop_token_ids=[]).tokens) == 8
-    finally:
-        wt.pin_matvec_tilings({})
+    engine = Engine.load(folder, "cuda", max_ctx=512)
+    assert engine.pinned_tilings[0] == 0 < engine.pinned_tilings[1]  # nothing saved yet
+    before, after, path = engine.tune_decode(replays=10)
+    assert path == tmp_path / "tilings.json" and 0 < after <= before
+    saved = load_tilings(engine.device, engine.dtype)
+    assert saved and saved == {key: engine.model.tilings.launched()[key] for key in saved}
+    again = Engine.load(folder, "cuda", max_ctx=512)  # its model's tilings start empty: only the file pins them
+    now = again.model.tilings.launched()
+    assert all(now[key] == tiling for key, tiling in saved.items())
+    assert again.pinned_tilings == (len(saved), len(now))
+    assert len(again.generate([2, 5, 6], max_new_tokens=8, temperature=0, stop_token_ids=[]).tokens) == 8

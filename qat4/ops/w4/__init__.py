@@ -12,7 +12,7 @@ One kernel family per module; each imports only modules listed above it:
 - :mod:`~qat4.ops.w4.common`: the Triton pieces several kernels share (unpacking, epilogues, the
   argmax reduction);
 - :mod:`~qat4.ops.w4.tiling`: the decode GEMV's tiling space, the autotuners' timer, and the
-  process-wide record of launched and pinned GEMV tilings;
+  record of a model's launched and pinned GEMV tilings (``MatvecTilings``);
 - :mod:`~qat4.ops.w4.gemv`: the decode GEMV (at most 16 rows of x) with its fused epilogues;
 - :mod:`~qat4.ops.w4.logits`: the output layer on the GEMV (softcapped logits, argmax);
 - :mod:`~qat4.ops.w4.gemm`: the prefill GEMM;

@@ -12,6 +12,12 @@
   steps that mix them with decoding rows;
 - the prefill GEMM (:mod:`qat4.ops.w4.gemm`) beyond BATCH_ROWS otherwise.
 
+The layers that can run the GEMV take ``tilings``, the calling model's
+:class:`~qat4.ops.w4.tiling.MatvecTilings`: the GEMV launches on the tilings pinned there and
+records there the tiling of each shape it launches. Without it (``tilings=None``: the ops called
+directly, as the tests and ``tools/bench_w4.py`` do) the GEMV takes the autotuner's picks and
+records nothing. The output layer's GEMV launches on a fixed tiling and takes none.
+
 The boundaries come from timing the kernels at E2B's shapes on an H200
 (``tools/bench_w4.py --rows R``, BENCHMARKS.md); ``QAT4_GEMV_ROWS=N`` and ``QAT4_EXPAND_ROWS=N``
 move them (read when this module is imported), e.g. to time a step both ways.
@@ -19,6 +25,7 @@ move them (read when this module is imported), e.g. to time a step both ways.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -34,6 +41,7 @@ from qat4.ops.w4.reference import (
     ResidualStep, w4_argmax_reference, w4_linear_gelu_reference, w4_linear_reference, w4_linear_residual_reference,
     w4_logits_reference,
 )
+from qat4.ops.w4.tiling import MatvecTilings
 
 GEMV_ROWS = int(os.environ.get("QAT4_GEMV_ROWS", "2"))  # the GEMV up to this many rows of x
 BATCH_ROWS = 128  # the decode-batch kernel up to this many; the prefill GEMM beyond
@@ -64,35 +72,38 @@ def expands_products(dtype: torch.dtype, device: torch.device) -> bool:
     return triton_on(device) and _expandable(dtype, device)
 
 
-def w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ W.T -> [..., N] in x.dtype. See :func:`qat4.ops.w4.reference.w4_linear_reference`."""
+def w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *,
+              tilings: MatvecTilings | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T -> [..., N] in x.dtype; ``tilings`` as the module docstring says. See
+    :func:`qat4.ops.w4.reference.w4_linear_reference`."""
     x2 = x.reshape(-1, x.shape[-1])
-    fn = {"reference": w4_linear_reference, "gemv": w4_matvec, "batch": w4_batch_linear, "gemm": w4_matmul,
-          "expanded": w4_expanded_matmul}[_kernel(x2, packed)]
+    fn = {"reference": w4_linear_reference, "gemv": functools.partial(w4_matvec, tilings=tilings),
+          "batch": w4_batch_linear, "gemm": w4_matmul, "expanded": w4_expanded_matmul}[_kernel(x2, packed)]
     return fn(x2, packed, scales).reshape(*x.shape[:-1], packed.shape[0])
 
 
 def w4_linear_gelu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                   up: torch.Tensor | None = None) -> torch.Tensor:
-    """GELU-gated linear layer on x [T, K], the gate in the kernel's epilogue. See
-    :func:`qat4.ops.w4.reference.w4_linear_gelu_reference`."""
+                   up: torch.Tensor | None = None, *, tilings: MatvecTilings | None = None) -> torch.Tensor:
+    """GELU-gated linear layer on x [T, K], the gate in the kernel's epilogue; ``tilings`` as the
+    module docstring says. See :func:`qat4.ops.w4.reference.w4_linear_gelu_reference`."""
     kernel = _kernel(x, packed)
     if kernel in ("gemm", "expanded"):
         return (w4_matmul if kernel == "gemm" else w4_expanded_matmul)(x, packed, scales, gelu=True, up=up)
-    fn = {"reference": w4_linear_gelu_reference, "gemv": w4_matvec_gelu, "batch": w4_batch_linear_gelu}[kernel]
+    fn = {"reference": w4_linear_gelu_reference, "gemv": functools.partial(w4_matvec_gelu, tilings=tilings),
+          "batch": w4_batch_linear_gelu}[kernel]
     return fn(x, packed, scales, up)
 
 
-def w4_linear_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                       residual: ResidualStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+def w4_linear_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, residual: ResidualStep, *,
+                       tilings: MatvecTilings | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A linear layer on x [T, K] feeding a residual step: fused into the GEMV, else the product
-    then :func:`qat4.ops.norms.residual_rms_norm_triton`. See
-    :func:`qat4.ops.w4.reference.w4_linear_residual_reference`."""
+    then :func:`qat4.ops.norms.residual_rms_norm_triton`; ``tilings`` as the module docstring
+    says. See :func:`qat4.ops.w4.reference.w4_linear_residual_reference`."""
     kernel = _kernel(x, packed)
     if kernel == "reference":
         return w4_linear_residual_reference(x, packed, scales, residual)
     if kernel == "gemv":
-        return w4_matvec_residual(x, packed, scales, residual)
+        return w4_matvec_residual(x, packed, scales, residual, tilings=tilings)
     y = {"batch": w4_batch_linear, "gemm": w4_matmul, "expanded": w4_expanded_matmul}[kernel](x, packed, scales)
     return residual_rms_norm_triton(residual.h, y, residual.weight, residual.scalar, residual.next_weight, residual.eps)
 

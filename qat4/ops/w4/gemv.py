@@ -37,8 +37,8 @@ from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
 from qat4.ops.w4.common import GELU_PAIRS, GELU_UP, PLAIN, _softcap, nibble_f32, split_last, unit_columns
 from qat4.ops.w4.reference import ResidualStep, check
 from qat4.ops.w4.tiling import (
-    MAX_PARTIALS, MAX_SLOTS, TILING_KEYS, bench, matvec_block_m, matvec_configs, pinned_tiling, prune_matvec,
-    record_tiling, split_fits,
+    MAX_PARTIALS, MAX_SLOTS, TILING_KEYS, MatvecTilings, bench, matvec_block_m, matvec_configs, prune_matvec,
+    split_fits,
 )
 
 MAX_MATVEC_ROWS = 16  # the GEMV takes at most this many rows of x
@@ -274,10 +274,12 @@ def _split_scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def launch_matvec(x, packed, scales, out, *, idx=None, softcap=None, argmax=False, epilogue=PLAIN, up=None,
-                  residual: ResidualStep | None = None, h_out=None, x_next=None, config=None):
+                  residual: ResidualStep | None = None, h_out=None, x_next=None, config=None,
+                  tilings: MatvecTilings | None = None):
     """One :func:`_matvec_kernel` launch (see its docstring for what each argument feeds). Without
-    `config`, a pinned tiling (:func:`~qat4.ops.w4.tiling.pin_matvec_tilings`) or else the
-    autotuner's."""
+    `config`, the tiling `tilings` pins for the shape or else the autotuner's, recorded as launched
+    in `tilings`; without `tilings` (None) always the autotuner's, recorded nowhere. A launch on
+    `config` is neither pinned nor recorded."""
     check(x, packed, scales)
     if x.shape[0] > MAX_MATVEC_ROWS:
         raise ValueError(f"the GEMV takes at most {MAX_MATVEC_ROWS} rows of x, got {x.shape[0]}; use w4_matmul")
@@ -286,8 +288,8 @@ def launch_matvec(x, packed, scales, out, *, idx=None, softcap=None, argmax=Fals
     locks, partials = _split_scratch(x.device)
     block_m = matvec_block_m(m)
     shape_key = (n, kw // 4, block_m, int(epilogue), residual is not None, str(x.dtype).removeprefix("torch."))
-    if config is None:
-        config = pinned_tiling(shape_key)
+    if config is None and tilings is not None:
+        config = tilings.pinned(shape_key)
     step = residual or ResidualStep(None, None)
     given = lambda t: out if t is None else t  # noqa: E731  (a pointer the kernel's flags leave unread)
     args = (x, packed.contiguous(), scales.contiguous(), out, given(idx), partials, locks, given(up),
@@ -301,8 +303,8 @@ def launch_matvec(x, packed, scales, out, *, idx=None, softcap=None, argmax=Fals
         grid = lambda meta: (triton.cdiv(n, meta["RR"] * meta["TR"]), meta["SPLIT_K"], triton.cdiv(m, block_m))
         _matvec_tuned[grid](*args, **flags)
         picked = getattr(_matvec_tuned, "best_config", None)
-        if picked is not None:
-            record_tiling(shape_key, {k: picked.kwargs[k] for k in TILING_KEYS})
+        if picked is not None and tilings is not None:
+            tilings.record(shape_key, {k: picked.kwargs[k] for k in TILING_KEYS})
     else:
         tiling = {key: config[key] for key in TILING_KEYS}
         block_n = tiling["RR"] * tiling["TR"]
@@ -313,36 +315,40 @@ def launch_matvec(x, packed, scales, out, *, idx=None, softcap=None, argmax=Fals
 
 
 def w4_matvec(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None,
-              *, config: dict | None = None) -> torch.Tensor:
+              *, config: dict | None = None, tilings: MatvecTilings | None = None) -> torch.Tensor:
     """Decode GEMV: x [M, K] (M <= 16) @ W.T -> [M, N] in x.dtype, fp32 accumulation.
 
     Reads the packed words once and unpacks in registers. `out` [M, N] (x.dtype, unit column
     stride) may be given, e.g. a buffer of a captured CUDA graph. `config` pins RR, TR, BLOCK_G and
-    SPLIT_K of :func:`_matvec_kernel` (num_warps = TR * BLOCK_G / 32) instead of autotuning.
+    SPLIT_K of :func:`_matvec_kernel` (num_warps = TR * BLOCK_G / 32) instead of autotuning;
+    without it, `tilings` (a model's) pins and records the tiling (:func:`launch_matvec`), and
+    without either the autotuner picks it and nothing is recorded.
     """
     if out is None:
         out = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype, device=x.device)
-    launch_matvec(x, packed, scales, out, config=config)
+    launch_matvec(x, packed, scales, out, config=config, tilings=tilings)
     return out
 
 
 def w4_matvec_gelu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, up: torch.Tensor | None = None,
-                   *, config: dict | None = None) -> torch.Tensor:
+                   *, config: dict | None = None, tilings: MatvecTilings | None = None) -> torch.Tensor:
     """Triton :func:`~qat4.ops.w4.reference.w4_linear_gelu_reference` for M <= 16: the gate applied
-    in the GEMV's epilogue."""
+    in the GEMV's epilogue. `config` and `tilings` as :func:`w4_matvec`'s."""
     n = packed.shape[0]
     if up is None and (n % 2 or (config and config["RR"] * config["TR"] % 2)):
         raise ValueError(f"GELU row pairs need an even row count per matrix and per tile, got N={n}, {config}")
     out = torch.empty(x.shape[0], n if up is not None else n // 2, dtype=x.dtype, device=x.device)
     launch_matvec(x, packed, scales, out, epilogue=GELU_PAIRS if up is None else GELU_UP, up=unit_columns(up),
-                  config=config)
+                  config=config, tilings=tilings)
     return out
 
 
 def w4_matvec_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, residual: ResidualStep,
-                       *, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       *, config: dict | None = None,
+                       tilings: MatvecTilings | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton :func:`~qat4.ops.w4.reference.w4_linear_residual_reference` for M <= 16: the program
-    that stores the GEMV's last rows runs the residual step, so y never leaves for another launch."""
+    that stores the GEMV's last rows runs the residual step, so y never leaves for another launch.
+    `config` and `tilings` as :func:`w4_matvec`'s."""
     m, d = x.shape[0], packed.shape[0]
     if tuple(residual.h.shape) != (m, d):
         raise ValueError(f"the residual stream must be [{m}, {d}], got {tuple(residual.h.shape)}")
@@ -350,5 +356,5 @@ def w4_matvec_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     h_out = torch.empty_like(y)
     x_next = None if residual.next_weight is None else torch.empty_like(y)
     launch_matvec(x, packed, scales, y, residual=residual._replace(h=residual.h.contiguous()), h_out=h_out,
-                  x_next=x_next, config=config)
+                  x_next=x_next, config=config, tilings=tilings)
     return h_out, x_next

@@ -1,13 +1,14 @@
-"""The decode GEMV's tilings: the space its autotuner searches, the autotuners' timer, and the
-process-wide record of the tilings launched and pinned.
+"""The decode GEMV's tilings: the space its autotuner searches, the autotuners' timer, and a
+model's record of the tilings launched and pinned (:class:`MatvecTilings`).
 
 A GEMV tiling sets RR, TR, BLOCK_G and SPLIT_K of :func:`~qat4.ops.w4.gemv._matvec_kernel`
 (:data:`TILING_KEYS`; num_warps = TR * BLOCK_G / 32). They are autotuned per (N, K, BLOCK_M,
 epilogue) over a small space: per tiling, the smallest split that launches 8 warps per SM
-(:func:`prune_matvec`). The engine lists the shapes of a decode step (:func:`matvec_tilings`),
-times candidate tilings of the whole step (:func:`matvec_tiling_candidates`) and pins the best
-(:func:`pin_matvec_tilings`); :mod:`qat4.engine.tuning` keeps them per GPU. :func:`bench` is the
-timer of the GEMV's and the prefill GEMM's autotuners.
+(:func:`prune_matvec`). The engine lists the shapes of a decode step
+(:meth:`MatvecTilings.launched` of its model's tilings), times candidate tilings of the whole step
+(:func:`matvec_tiling_candidates`) and pins the best (:meth:`MatvecTilings.pin`);
+:mod:`qat4.engine.tuning` keeps them per GPU. :func:`bench` is the timer of the GEMV's and the
+prefill GEMM's autotuners.
 """
 
 import torch
@@ -112,50 +113,57 @@ def bench(fn, quantiles, warmup_ms: float = 5.0, rep_ms: float = 25.0) -> list[f
 
 
 # ----------------------------------------------------------------------------------------------
-# Tilings launched and pinned (process-wide)
-
-
-_pinned_tilings: dict[tuple, dict] = {}  # GEMV shape key -> tiling used instead of the autotuner's
-_launched_tilings: dict[tuple, dict] = {}  # GEMV shape key -> tiling of its last launch (pinned or autotuned)
-
-
-def matvec_tilings() -> dict[tuple, dict]:
-    """The tiling of each GEMV shape launched since :func:`forget_matvec_tilings`: the pinned one,
-    else the autotuner's pick (shapes whose caller fixes the tiling, the output layer, are left
-    out). Keys are (N, K / 32, BLOCK_M, epilogue, residual, x dtype name); values map RR, TR,
-    BLOCK_G and SPLIT_K to ints."""
-    return dict(_launched_tilings)
-
-
-def forget_matvec_tilings() -> None:
-    """Start :func:`matvec_tilings` afresh (e.g. to list the shapes of one decode step)."""
-    _launched_tilings.clear()
-
-
-def pin_matvec_tilings(tilings: dict[tuple, dict]) -> None:
-    """Launch these GEMV shapes with these tilings from now on (keys as :func:`matvec_tilings`),
-    instead of the autotuner's picks; shapes not listed are unpinned."""
-    _pinned_tilings.clear()
-    _pinned_tilings.update({key: {k: int(tiling[k]) for k in TILING_KEYS} for key, tiling in tilings.items()})
+# Tilings launched and pinned
 
 
 def matvec_tiling_candidates(key: tuple, device: torch.device) -> list[dict]:
-    """The tilings the autotuner would time for a GEMV shape key on `device`."""
+    """The tilings the autotuner would time for a GEMV shape key (as :class:`MatvecTilings`'s) on `device`."""
     n, g, block_m = key[:3]
     pruned = prune_matvec(matvec_configs(), {"N": n, "G": g, "M": block_m, "x_ptr": torch.empty(0, device=device)},
                           BLOCK_M=block_m)
     return [{k: c.kwargs[k] for k in TILING_KEYS} for c in pruned]
 
 
-def pinned_tiling(key: tuple) -> dict | None:
-    """The pinned tiling of a GEMV shape key (:func:`pin_matvec_tilings`), recorded as launched;
-    None when the shape is not pinned."""
-    tiling = _pinned_tilings.get(key)
-    if tiling is not None:
-        _launched_tilings[key] = tiling
-    return tiling
+class MatvecTilings:
+    """The GEMV tilings one model launches with: those pinned in place of the autotuner's picks,
+    and the tiling of each shape launched since :meth:`forget`.
 
+    A model (:class:`qat4.model.Gemma4`) owns one and hands it to every GEMV it launches (the
+    ``tilings`` argument of :mod:`qat4.ops.w4.dispatch`'s layers), so two models in one process
+    neither share pins nor see each other's launches. A GEMV launched without one (``tilings=None``:
+    the ops called directly) takes the autotuner's pick and records nothing; one whose caller fixes
+    the tiling (the output layer) is neither pinned nor recorded.
 
-def record_tiling(key: tuple, tiling: dict) -> None:
-    """Record the autotuner's pick for a GEMV shape key as launched (:func:`matvec_tilings`)."""
-    _launched_tilings[key] = tiling
+    Keys are GEMV shapes (N, K / 32, BLOCK_M, epilogue, residual, x dtype name); values map RR,
+    TR, BLOCK_G and SPLIT_K to ints.
+    """
+
+    def __init__(self) -> None:
+        self._pinned: dict[tuple, dict] = {}  # shape key -> tiling used instead of the autotuner's
+        self._launched: dict[tuple, dict] = {}  # shape key -> tiling of its last launch (pinned or autotuned)
+
+    def launched(self) -> dict[tuple, dict]:
+        """The tiling of each GEMV shape launched since :meth:`forget`: the pinned one, else the
+        autotuner's pick."""
+        return dict(self._launched)
+
+    def forget(self) -> None:
+        """Start :meth:`launched` afresh (e.g. to list the shapes of one decode step)."""
+        self._launched.clear()
+
+    def pin(self, tilings: dict[tuple, dict]) -> None:
+        """Launch these GEMV shapes with these tilings from now on, instead of the autotuner's
+        picks; shapes not listed are unpinned."""
+        self._pinned = {key: {k: int(tiling[k]) for k in TILING_KEYS} for key, tiling in tilings.items()}
+
+    def pinned(self, key: tuple) -> dict | None:
+        """The pinned tiling of a GEMV shape key, recorded as launched; None when the shape is not
+        pinned."""
+        tiling = self._pinned.get(key)
+        if tiling is not None:
+            self._launched[key] = tiling
+        return tiling
+
+    def record(self, key: tuple, tiling: dict) -> None:
+        """Record the autotuner's pick for a GEMV shape key as launched."""
+        self._launched[key] = tiling
