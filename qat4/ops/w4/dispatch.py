@@ -25,7 +25,6 @@ move them (read when this module is imported), e.g. to time a step both ways.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -77,9 +76,14 @@ def w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *,
     """x [..., K] @ W.T -> [..., N] in x.dtype; ``tilings`` as the module docstring says. See
     :func:`qat4.ops.w4.reference.w4_linear_reference`."""
     x2 = x.reshape(-1, x.shape[-1])
-    fn = {"reference": w4_linear_reference, "gemv": functools.partial(w4_matvec, tilings=tilings),
-          "batch": w4_batch_linear, "gemm": w4_matmul, "expanded": w4_expanded_matmul}[_kernel(x2, packed)]
-    return fn(x2, packed, scales).reshape(*x.shape[:-1], packed.shape[0])
+    kernel = _kernel(x2, packed)
+    if kernel == "gemv":
+        y = w4_matvec(x2, packed, scales, tilings=tilings)
+    else:
+        fn = {"reference": w4_linear_reference, "batch": w4_batch_linear, "gemm": w4_matmul,
+              "expanded": w4_expanded_matmul}[kernel]
+        y = fn(x2, packed, scales)
+    return y.reshape(*x.shape[:-1], packed.shape[0])
 
 
 def w4_linear_gelu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
@@ -89,9 +93,9 @@ def w4_linear_gelu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     kernel = _kernel(x, packed)
     if kernel in ("gemm", "expanded"):
         return (w4_matmul if kernel == "gemm" else w4_expanded_matmul)(x, packed, scales, gelu=True, up=up)
-    fn = {"reference": w4_linear_gelu_reference, "gemv": functools.partial(w4_matvec_gelu, tilings=tilings),
-          "batch": w4_batch_linear_gelu}[kernel]
-    return fn(x, packed, scales, up)
+    if kernel == "gemv":
+        return w4_matvec_gelu(x, packed, scales, up, tilings=tilings)
+    return {"reference": w4_linear_gelu_reference, "batch": w4_batch_linear_gelu}[kernel](x, packed, scales, up)
 
 
 def w4_linear_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, residual: ResidualStep, *,
