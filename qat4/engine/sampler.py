@@ -110,16 +110,23 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
         values, ids = torch.sort(logits, dim=-1, descending=True)
     else:
         values, ids = torch.topk(logits, keep, dim=-1)
-    ranks = torch.arange(values.shape[-1], device=logits.device)
-    values = values.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    # in place where a [R, keep] temporary would otherwise be made: over the whole vocabulary
+    # every 4 or 8 bytes per logit count, on a 4 GB card once per sampled row
+    width = values.shape[-1]
+    ranks = torch.arange(width, device=logits.device)
+    values.masked_fill_(ranks >= top_k[:, None], float("-inf"))
     hot = temperature > 0
-    scaled = values / torch.where(hot, temperature, 1.0)[:, None]
-    weights = (torch.softmax(scaled, dim=-1) * _ONE).long()  # the first >= 2^40 / V > 0
-    before = weights.cumsum(-1) - weights
-    weights = weights * (before.double() < top_p.double()[:, None] * weights.sum(-1, keepdim=True))  # the first stays
-    cdf = weights.cumsum(-1)
+    values.div_(torch.where(hot, temperature, 1.0)[:, None])
+    weights = torch.softmax(values, dim=-1).mul_(_ONE).long()  # the first >= 2^40 / V > 0
+    del values
+    before = weights.cumsum(-1).sub_(weights)
+    # before < top_p * total (in float64), for an integer before: before < ceil(top_p * total)
+    threshold = torch.ceil(top_p.double()[:, None] * weights.sum(-1, keepdim=True).double()).long()
+    weights.mul_(before < threshold)  # the first stays
+    del before
+    cdf = weights.cumsum_(-1)
     target = (uniform * cdf[:, -1].double()).long()[:, None]  # < cdf[:, -1]: lands on a kept token
-    choice = torch.searchsorted(cdf, target, right=True).clamp_(max=values.shape[-1] - 1)
+    choice = torch.searchsorted(cdf, target, right=True).clamp_(max=width - 1)
     return torch.where(hot, ids.gather(1, choice)[:, 0], greedy)
 
 
