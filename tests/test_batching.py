@@ -176,25 +176,30 @@ def test_the_load_warm_up_runs_every_padded_prompt_step_and_leaves_the_pool_empt
     assert_pool_empty(engine)
 
 
-def test_the_warm_up_runs_prompt_steps_longer_than_the_context(packed, monkeypatch):
-    """A context of 20 tokens with prompt steps of up to 24 (several short prompts at once): the
-    warm-up's padded steps stay at positions inside the context, and three prompts read in one
-    step get the tokens each gets alone."""
+def test_prompt_steps_longer_than_the_context_keep_their_rows_inside_it(packed, monkeypatch):
+    """A context of 12 tokens with prompt steps padded up to 48 (several short prompts at once):
+    the warm-up's padded steps and the padding rows of a step of three 6-token prompts (18 tokens
+    padded to 32, read first: later their blocks come from the prompt cache) stay at positions
+    inside the context, and the three prompts read in one step get the tokens each gets alone."""
     from qat4.engine import warmup
 
-    engine = padded_engine(packed, max_ctx=20)
+    engine = make_engine(packed, prefill_chunk=48, max_ctx=12, kv_tokens=48)
+    engine.runner = ModelRunner(engine.model, engine.pool, max_num_seqs=engine.max_num_seqs, use_graph=False,
+                                max_chunk=48, pad_chunks=True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     warmup.reserve_workspace(engine)
-    assert {key[0] for key in engine.runner.chunk_graphs} == {16, 24}
-    prompts = [prompt(8, i) for i in range(3)]
+    assert {key[0] for key in engine.runner.chunk_graphs} == {16, 32, 48}
+    prompts = [prompt(6, i) for i in range(3)]
+    together = [engine.add_request(p, 4, temperature=0, stop_token_ids=[]) for p in prompts]
+    engine.step()
+    assert all(s.num_computed == 6 for s in together)  # the three prompts in one step
+    while engine.has_work:
+        engine.step()
     alone = []
     for p in prompts:
         alone.append(engine.add_request(p, 4, temperature=0, stop_token_ids=[]))
         while engine.has_work:
             engine.step()
-    together = [engine.add_request(p, 4, temperature=0, stop_token_ids=[]) for p in prompts]
-    while engine.has_work:
-        engine.step()
     assert [s.output for s in together] == [s.output for s in alone]
     assert_pool_empty(engine)
 

@@ -420,7 +420,8 @@ class ModelRunner:
             return
         scratch = self.pool.scratch_row
         # one sequence of t tokens at positions inside the context: a step of several sequences may
-        # hold more tokens than max_ctx (16 prompts of 32 tokens in a 176-token context)
+        # hold more tokens than max_ctx (16 prompts of 32 tokens in a 176-token context), and so
+        # may its padding rows (_replay_chunks)
         self._chunk_meta[:, :t] = torch.stack([torch.zeros(t, dtype=torch.int64), torch.arange(t) % self.max_ctx,
                                                torch.full((t,), scratch)]).to(self.device)
         self._chunk_seqs[: 4 * s + 1].copy_(torch.tensor([0] + [t] * s + [scratch] * s + [t - 1] * s + [scratch] * s))
@@ -442,7 +443,7 @@ class ModelRunner:
         scratch = self.pool.scratch_row
         ids, positions, slots, cu, rows = flat_chunks(chunks)
         pad, empty, unpicked = t - cu[-1], s - len(chunks), s - len(sampled)
-        meta = [ids + [0] * pad, [*positions, *range(pad)], slots + [scratch] * pad]
+        meta = [ids + [0] * pad, [*positions, *(p % self.max_ctx for p in range(pad))], slots + [scratch] * pad]
         fields = (cu + [cu[-1]] * empty + rows + [scratch] * empty + [cu[i + 1] - 1 for i in sampled]
                   + [t - 1] * unpicked + [chunks[i][0].slot for i in sampled] + [scratch] * unpicked)
         self._chunk_meta[:, :t].copy_(to_device(torch.tensor(meta, dtype=torch.int64), self.device))
