@@ -10,8 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "qat4"
 
-# Each layer and the modules above it, which it may not import. Modules not named here (config,
-# errors, tokenizer, chat, ...) are shared by every layer.
+# Each layer and the modules above it, which it may not import. The modules every layer shares
+# (config, errors, the tokenizer, chat templates and grammars) import none of the layers' modules.
 ABOVE_ENGINE = ("qat4.server", "qat4.commands", "qat4.cli", "qat4.serve_process", "qat4.server_control",
                 "qat4.mcp_server", "qat4.doctor", "qat4.bench", "qat4.bench_speculative", "qat4.bench_serve",
                 "qat4.eval", "qat4.api_client")
@@ -23,6 +23,7 @@ LAYERS = {
     "qat4/model.py": ABOVE_MODEL,
     "qat4/assistant.py": ABOVE_MODEL,
     "qat4/engine": ABOVE_ENGINE,
+    **{shared: ABOVE_KERNELS for shared in ("qat4/config.py", "qat4/errors.py", "qat4/tokenizer.py", "qat4/chat")},
 }
 
 

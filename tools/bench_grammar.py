@@ -72,11 +72,12 @@ def fill_us(constraint, tokens: list[int], vocab_size: int) -> list[float]:
     return times
 
 
-def decode_steps(engine) -> tuple[list[float], int, int]:
-    """Step ``engine`` until its sequences end -> (seconds of each decode step, tokens those steps
-    read back, steps left out for a graph capture). A step runs from one read back to the next
-    (one `Engine.step` call unconstrained, two constrained); it counts when none of its calls
-    began with a prompt to read or captured a decode graph."""
+def decode_steps(engine, rows: int) -> tuple[list[float], int, int]:
+    """Step ``engine`` until its sequences end -> (seconds of each decode step of all ``rows``
+    rows, tokens those steps read back, steps left out for a graph capture). A step runs from one
+    read back to the next (one `Engine.step` call unconstrained, two constrained); it counts when
+    none of its calls began with a prompt to read or captured a decode graph, and every row was
+    still running (a constrained reply may end early, leaving smaller, cheaper steps)."""
     scheduler, graphs = engine.scheduler, engine.runner.graphs
     seconds, tokens, captured = [], 0, 0
     spent, reading, capturing = 0.0, False, False
@@ -88,7 +89,7 @@ def decode_steps(engine) -> tuple[list[float], int, int]:
         spent += time.perf_counter() - start
         capturing |= len(graphs) > known
         if outputs:
-            if not reading and not capturing:
+            if not reading and not capturing and len(outputs) == rows:
                 seconds.append(spent)
                 tokens += len(outputs)
             captured += capturing and not reading
@@ -101,7 +102,7 @@ def run_case(engine, prompts: list[list[int]], new: int, constrained: bool) -> d
     each runs ``new`` tokens), stepped to the end -> their decode steps' numbers."""
     seqs = [engine.add_request(ids, new, temperature=0, constraint=engine.json_constraint(SCHEMA))
             if constrained else engine.add_request(ids, new, temperature=0, stop_token_ids=[]) for ids in prompts]
-    seconds, tokens, captured = decode_steps(engine)
+    seconds, tokens, captured = decode_steps(engine, len(prompts))
     return {"decode_steps": len(seconds), "median_ms": statistics.median(seconds) * 1e3 if seconds else 0.0,
             "tok_s": tokens / sum(seconds) if seconds else 0.0, "captures": captured,
             "reply_tokens": statistics.mean(len(s.output) for s in seqs)}
@@ -117,7 +118,7 @@ def measure_engine(engine, rows: int, prompt: int, new: int, rng: random.Random)
         run_case(engine, prompts, new, constrained)
         result[case] = run_case(engine, prompts, new, constrained)
     free, masked = result["unconstrained"]["median_ms"], result["constrained"]["median_ms"]
-    result["overhead_pct"] = (masked / free - 1) * 100 if free else 0.0
+    result["overhead_pct"] = (masked / free - 1) * 100 if free and masked else None  # None: no step of all rows
     return result
 
 
@@ -144,6 +145,10 @@ def run_engine(args: argparse.Namespace) -> None:
         results.append(result)
     for r in results:
         masked, free = r["constrained"], r["unconstrained"]
+        if r["overhead_pct"] is None:
+            print(f"grammar overhead at batch {r['rows']}: not measured (no decode step ran all {r['rows']} rows; "
+                  f"replies of {masked['reply_tokens']:.0f} tokens constrained, {free['reply_tokens']:.0f} not)")
+            continue
         print(f"grammar overhead at batch {r['rows']}: {r['overhead_pct']:+.1f} % per decode step "
               f"({masked['median_ms']:.2f} ms constrained vs {free['median_ms']:.2f} ms unconstrained, medians; "
               f"constrained replies may end earlier, {masked['reply_tokens']:.0f} vs {free['reply_tokens']:.0f} "

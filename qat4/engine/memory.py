@@ -26,7 +26,7 @@ from qat4.config import SLIDING, Gemma4Config
 from qat4.engine.config import MAX_CTX_DEFAULT, EngineConfig
 from qat4.engine.kv_cache import block_nbytes, pool_blocks, pool_nbytes
 from qat4.errors import Qat4Error
-from qat4.model import expansion_nbytes
+from qat4.model import CUBLAS_WORKSPACE_NBYTES, expansion_nbytes
 
 MIB = 1 << 20
 AUTO_PREFILL_CHUNKS = (4096, 2048, 1024, 512, 256)  # prefill_chunk=None picks the largest that fits (CUDA)
@@ -106,9 +106,10 @@ SAMPLED_BYTES_PER_LOGIT = 64
 
 def decode_nbytes(packed: PackedModel, seqs: int, spec_tokens: int = 0) -> int:
     """Working memory of decode steps over up to ``seqs`` sequences, each with up to
-    ``spec_tokens`` drafts while at most SPEC_MAX_BATCH decode: per row a row sampled over the whole
-    vocabulary (SAMPLED_BYTES_PER_LOGIT) and headroom for the activations, and what the two graphs
-    captured per batch size and rows per sequence (greedy and the default sampling) keep."""
+    ``spec_tokens`` drafts while at most SPEC_MAX_BATCH decode: per row, the working memory of
+    sampling it over the whole vocabulary (SAMPLED_BYTES_PER_LOGIT a logit) and headroom for its
+    activations, and what the two graphs captured per batch size and rows per sequence (greedy and
+    the default sampling) keep."""
     from qat4.engine.model_runner import graph_sizes
     from qat4.engine.speculation import SPEC_MAX_BATCH
 
@@ -146,7 +147,9 @@ DRAFTER_GRAPHS_NBYTES = 16 << 20  # what the MTP drafter's captured graphs keep 
 def drafter_nbytes(checkpoint: AssistantCheckpoint, target: Gemma4Config, dtype: torch.dtype, max_ctx: int) -> int:
     """Device bytes the MTP drafter takes beside ``target``: its weights in ``dtype``, its RoPE
     tables unless it shares the target's, and its working memory: for SPEC_MAX_BATCH sequences the
-    output rows of its candidates, gathered, with their logits and headroom as much again."""
+    output rows of its candidates, gathered, with their logits and headroom as much again; and the
+    cuBLAS workspaces of the three streams its 16-bit products run on (the engine's, the graphs'
+    warm-up and capture streams), which the expanded prompt products may share."""
     from qat4.engine.speculation import SPEC_MAX_BATCH
 
     cfg = checkpoint.config
@@ -154,7 +157,7 @@ def drafter_nbytes(checkpoint: AssistantCheckpoint, target: Gemma4Config, dtype:
     rope = 0 if cfg.shares_rope(target) else rope_nbytes(cfg.text, max_ctx, dtype)
     candidates = cfg.centroid_top_k * cfg.tokens_per_centroid if cfg.use_ordered_embeddings else cfg.text.vocab_size
     working = 2 * SPEC_MAX_BATCH * candidates * (cfg.text.hidden_size + 1) * item
-    return checkpoint.nbytes(dtype) + rope + working + DRAFTER_GRAPHS_NBYTES
+    return checkpoint.nbytes(dtype) + rope + working + DRAFTER_GRAPHS_NBYTES + 3 * CUBLAS_WORKSPACE_NBYTES
 
 
 def plan(packed: PackedModel, device: torch.device, config: EngineConfig,
