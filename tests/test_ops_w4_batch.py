@@ -72,6 +72,9 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
     (64, 96, 512, F32, BF16, {"BLOCK_N": 64, "BLOCK_G": 8, "SPLIT_K": 2, "PREFETCH": 2}),  # 2 steps ahead
     (33, 64, 256, F16, BF16, None),  # the table at BLOCK_M = 64
     (130, 40, 128, F16, F16, None),  # two blocks of 128 rows of x, one block of W wider than W
+    (5, 96, 512, F16, BF16, {"BLOCK_N": 64, "BLOCK_G": 4, "SPLIT_K": 3, "ONE_DOT": 1}),  # one dot a step, tails
+    (16, 64, 512, F32, F16, {"BLOCK_N": 32, "BLOCK_G": 8, "SPLIT_K": 2, "PREFETCH": 2, "ONE_DOT": 1}),
+    (33, 256, 96, BF16, F16, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_G": 4, "SPLIT_K": 1, "ONE_DOT": 1}),
 ])
 def test_kernel_batch_linear(m, n, k, x_dtype, scale_dtype, config):
     x, packed, scales = inputs(m, n, k, x_dtype, scale_dtype, seed=m * 1000 + n + k)
@@ -102,6 +105,7 @@ def test_kernel_batch_split_k_is_deterministic_and_resets_its_tickets():
     (5, F32, {"BLOCK_N": 32, "BLOCK_G": 4, "SPLIT_K": 3}),
     (16, F16, {"BLOCK_N": 64, "BLOCK_G": 8, "SPLIT_K": 1}),
     (20, BF16, None),
+    (7, F16, {"BLOCK_N": 32, "BLOCK_G": 4, "SPLIT_K": 2, "ONE_DOT": 1}),
 ])
 def test_kernel_batch_gelu_gates_in_the_epilogue(m, x_dtype, config):
     """Alternating gate/up rows (the MLP; a row tail of whole pairs) and gelu(y) * up with up a
@@ -120,6 +124,7 @@ def test_kernel_batch_gelu_gates_in_the_epilogue(m, x_dtype, config):
 @pytest.mark.parametrize("m,x_dtype,config", [
     (2, F32, None),
     (17, F16, {"BLOCK_N": 32, "BLOCK_G": 4, "SPLIT_K": 2}),
+    (9, F32, {"BLOCK_N": 32, "BLOCK_G": 4, "SPLIT_K": 1, "ONE_DOT": 1}),
 ])
 def test_kernel_batch_logits_and_argmax(m, x_dtype, config):
     """fp32 logits with the softcap bending them (and without a softcap); the argmax equals
@@ -187,6 +192,7 @@ def test_tiling_table_fills_an_h200_at_every_decode_shape(m):
         candidates = bt.batch_tiling_candidates(n, k, m, sm_count=132)
         assert candidates[0] == tiling and len(candidates) == len({tuple(sorted(c.items())) for c in candidates})
         assert all(bt._fits(n, m, c) for c in candidates)
+        assert candidates[1] == dict(tiling, ONE_DOT=1)  # one dot a step, timed beside the table's
 
 
 def test_tiling_splits_the_long_down_projection():
@@ -200,7 +206,7 @@ def test_config_pins_keys_and_bad_tilings_are_rejected():
     pinned = bt.resolve_tiling({"BLOCK_N": 32, "SPLIT_K": 2}, 64, 256, 3, "cpu")
     assert pinned["BLOCK_N"] == 32 and pinned["SPLIT_K"] == 2 and pinned["BLOCK_M"] == 16
     for bad in ({"BLOCK_G": 2}, {"BLOCK_N": 48}, {"BLOCK_M": 8}, {"PREFETCH": 3}, {"SPLIT_K": 0}, {"RR": 4},
-                {"num_stages": 0}):
+                {"num_stages": 0}, {"ONE_DOT": 2}):
         with pytest.raises(ValueError):
             bt.resolve_tiling(bad, 64, 256, 3, "cpu")
     with pytest.raises(ValueError, match="scratch"):

@@ -1,6 +1,7 @@
 """Time the packed int4 kernels at Gemma 4 E2B shapes on a CUDA GPU and print one table.
 
     python tools/bench_w4.py [--dtype bf16|fp16] [--rows 1] [--sweep] [--shapes 262144x1536,...]
+                             [--batch-config '{"ONE_DOT": 1}']
 
 Decode GEMV per weight shape of one decode step: the GEMV runs over enough distinct copies of the
 matrix (>= 1 GiB in all) that every launch reads its weights from HBM, as in a real decode step;
@@ -19,6 +20,7 @@ programmatic dependent launch: what a dependent GEMV costs before its bytes.
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -131,13 +133,14 @@ def bench_matvec(dtype, rows, sweep, shapes, device, peak):
 
 def describe_batch_tiling(t):
     return (f"BM={t['BLOCK_M']} BN={t['BLOCK_N']} BG={t['BLOCK_G']} split={t['SPLIT_K']} pf={t['PREFETCH']} "
-            f"w={t['num_warps']} st={t['num_stages']}")
+            f"1dot={t['ONE_DOT']} w={t['num_warps']} st={t['num_stages']}")
 
 
-def bench_batch(dtype, rows, sweep, shapes, device, peak, gemv_us=None):
+def bench_batch(dtype, rows, sweep, shapes, device, peak, gemv_us=None, pinned=None):
     """Per decode shape: the GEMV (from `gemv_us`, the GEMV table's timings, when given), the
-    prefill GEMM, the expanded product and the decode-batch kernel at its table's tiling, each over
-    distinct copies in one CUDA graph; --sweep adds every candidate tiling of the batch kernel."""
+    prefill GEMM, the expanded product and the decode-batch kernel at its table's tiling with the
+    keys of `pinned` (--batch-config), each over distinct copies in one CUDA graph; --sweep adds
+    every candidate tiling of the batch kernel."""
     gemv_us = gemv_us or {}
     print(f"\n# decode batch, x [{rows}, K] {dtype}, CUDA graph over distinct copies, median µs per launch; "
           f"GB/s and % copy of the batch kernel")
@@ -148,7 +151,7 @@ def bench_batch(dtype, rows, sweep, shapes, device, peak, gemv_us=None):
     for n, k, count in shapes:
         nbytes = weight_bytes(n, k, dtype) + rows * k * 2 + rows * n * 2
         time_us = chained(n, k, rows, dtype, device)
-        tiling = bt.batch_tiling(n, k, rows, device)
+        tiling = bt.resolve_tiling(pinned, n, k, rows, device)
         gemm = time_us(lambda x, p, s, o: wm.w4_matmul(x, p, s))
         expand = time_us(lambda x, p, s, o: wx.w4_expanded_matmul(x, p, s))
         batch = time_us(lambda x, p, s, o: wb.w4_batch_linear(x, p, s, out=o, config=tiling))
@@ -245,6 +248,8 @@ def main():
                         help="rows of x: the GEMV table up to 16, the decode-batch table from 2")
     parser.add_argument("--sweep", action="store_true", help="also time every GEMV and decode-batch tiling")
     parser.add_argument("--shapes", help="decode shapes to time, e.g. 262144x1536,1536x12288 (default: all)")
+    parser.add_argument("--batch-config", type=json.loads, metavar="JSON",
+                        help='keys pinned on the decode-batch kernel\'s table tiling, e.g. \'{"ONE_DOT": 1}\'')
     parser.add_argument("--floor", action="store_true", help="only the chained-GEMV cost against weight bytes")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -265,7 +270,7 @@ def main():
         sys.exit("--rows must be at least 1.")
     gemv_us = bench_matvec(dtype, args.rows, args.sweep, shapes, device, peak) if args.rows <= wv.MAX_MATVEC_ROWS else None
     if args.rows >= 2:
-        bench_batch(dtype, args.rows, args.sweep, shapes, device, peak, gemv_us)
+        bench_batch(dtype, args.rows, args.sweep, shapes, device, peak, gemv_us, args.batch_config)
     if not args.shapes:
         bench_output(dtype, device, peak)
         bench_prefill(dtype, device)

@@ -68,6 +68,17 @@ covers BLOCK_G groups, BLOCK_K = 32 * BLOCK_G columns::
   register; the first ones loaded before the PDL wait too), and num_stages > 1 lets Triton
   pipeline the loads through shared memory; both pay the conversion of the unpacked planes, and
   both are in :func:`~qat4.ops.w4.batch_tiling.batch_tiling_candidates` for the GPU to decide.
+- *One dot per step* (ONE_DOT): the eight planes interleaved back into column order with joins
+  (which keep each value in the thread that unpacked it) and one dot of K = 32 * BLOCK_G with the
+  x tile as loaded, instead of eight dots of K = 4 * BLOCK_G on the eight column planes of x.
+  Compiled offline for sm_90a by Triton 3.6 (`tools/kernel_sass.py`), the eight dots are eight
+  wgmma launches each behind its own store of an x plane to shared memory, fence and wait (16
+  warpgroup arrive/waits, 8 fences per step), and one dot is one launch and one wait; the loop
+  shrinks from 353-393 to 312-321 instructions per thread and step at the table's tiles, while the
+  unpacked tile now goes through shared memory (37-49 KiB per program instead of 8-33) and 16-row
+  tiles take up to 92 registers instead of 69. Which is faster is for the GPU to say:
+  :func:`~qat4.ops.w4.batch_tiling.batch_tiling_candidates` times both. The sums are the same
+  products added in another order, so the two differ by fp32 rounding.
 - *Split-K*: with SPLIT_K > 1 each program stores its fp32 partial [BLOCK_N, BLOCK_M] to a
   per-device scratch and takes a ticket from its tile's counter (acq_rel); the last program of
   the tile adds the partials in split order and runs the epilogue, then resets the counter, as
@@ -122,11 +133,13 @@ def _plane_dot(w, xi, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _tile_dot(words, steps, xt, acc, DOT_F32: tl.constexpr):
+def _tile_dot(words, steps, xt, acc, DOT_F32: tl.constexpr, ONE_DOT: tl.constexpr):
     """acc [BN, BM] + W_tile @ xt^T for words [BN, T] int32 (T = 4 * BLOCK_G), the steps of their
-    groups [BN, T / 4] and xt [BM, 8T] (the tile's columns in order): eight dots, one per nibble plane
-    (plane i is column 8j + i of word j, matched by the i-th column of each 8 of xt), in order of
-    bit position so that each bias tensor dies early (130 rather than 160 registers at 64 x 256)."""
+    groups [BN, T / 4] and xt [BM, 8T] (the tile's columns in order). Eight dots, one per nibble
+    plane (plane i is column 8j + i of word j, matched by the i-th column of each 8 of xt), in
+    order of bit position so that each bias tensor dies early (130 rather than 160 registers at
+    64 x 256); or with ONE_DOT the planes interleaved back into column order, W [BN, 8T], and one
+    dot with xt as loaded."""
     BN: tl.constexpr = words.shape[0]
     T: tl.constexpr = words.shape[1]
     s = tl.reshape(tl.broadcast_to(steps.to(tl.float32)[:, :, None], [BN, T // 4, 4]), [BN, T])
@@ -136,15 +149,25 @@ def _tile_dot(words, steps, xt, acc, DOT_F32: tl.constexpr):
     w = words.to(tl.uint32, bitcast=True)
     lo = w << 8  # nibbles 0, 1 at bits 8..15
     hi = w >> 12  # nibbles 5, 6, 7 at bits 8..19
-    x0, x1, x2, x3, x4, x5, x6, x7 = split_last(xt, 8)
-    acc = _plane_dot(_nibble_times_step(lo, 2, s, b2), x0, acc, DOT_F32)
-    acc = _plane_dot(_nibble_times_step(w, 2, s, b2), x2, acc, DOT_F32)
-    acc = _plane_dot(_nibble_times_step(hi, 2, s, b2), x5, acc, DOT_F32)
-    acc = _plane_dot(_nibble_times_step(lo, 3, s, b3), x1, acc, DOT_F32)
-    acc = _plane_dot(_nibble_times_step(w, 3, s, b3), x3, acc, DOT_F32)
-    acc = _plane_dot(_nibble_times_step(hi, 3, s, b3), x6, acc, DOT_F32)
-    acc = _plane_dot(_nibble_times_step(w, 4, s, b4), x4, acc, DOT_F32)
-    acc = _plane_dot(_nibble_times_step(hi, 4, s, b4), x7, acc, DOT_F32)
+    if ONE_DOT:
+        dt = xt.dtype
+        n0, n1 = _nibble_times_step(lo, 2, s, b2).to(dt), _nibble_times_step(lo, 3, s, b3).to(dt)
+        n2, n3 = _nibble_times_step(w, 2, s, b2).to(dt), _nibble_times_step(w, 3, s, b3).to(dt)
+        n4, n5 = _nibble_times_step(w, 4, s, b4).to(dt), _nibble_times_step(hi, 2, s, b2).to(dt)
+        n6, n7 = _nibble_times_step(hi, 3, s, b3).to(dt), _nibble_times_step(hi, 4, s, b4).to(dt)
+        even = tl.reshape(tl.join(tl.join(n0, n4), tl.join(n2, n6)), [BN, T, 4])  # columns 8j + 0, 2, 4, 6
+        odd = tl.reshape(tl.join(tl.join(n1, n5), tl.join(n3, n7)), [BN, T, 4])
+        acc = _plane_dot(tl.reshape(tl.join(even, odd), [BN, 8 * T]), xt, acc, DOT_F32)
+    else:
+        x0, x1, x2, x3, x4, x5, x6, x7 = split_last(xt, 8)
+        acc = _plane_dot(_nibble_times_step(lo, 2, s, b2), x0, acc, DOT_F32)
+        acc = _plane_dot(_nibble_times_step(w, 2, s, b2), x2, acc, DOT_F32)
+        acc = _plane_dot(_nibble_times_step(hi, 2, s, b2), x5, acc, DOT_F32)
+        acc = _plane_dot(_nibble_times_step(lo, 3, s, b3), x1, acc, DOT_F32)
+        acc = _plane_dot(_nibble_times_step(w, 3, s, b3), x3, acc, DOT_F32)
+        acc = _plane_dot(_nibble_times_step(hi, 3, s, b3), x6, acc, DOT_F32)
+        acc = _plane_dot(_nibble_times_step(w, 4, s, b4), x4, acc, DOT_F32)
+        acc = _plane_dot(_nibble_times_step(hi, 4, s, b4), x7, acc, DOT_F32)
     return acc
 
 
@@ -197,8 +220,8 @@ def _batch_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, idx_ptr, u_ptr, part_ptr, lock_ptr,
     M, N, G, stride_xm, stride_om, stride_um, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr,
-    PREFETCH: tl.constexpr, EPILOGUE: tl.constexpr, SOFTCAP: tl.constexpr, ARGMAX: tl.constexpr,
-    DOT_F32: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, EPILOGUE: tl.constexpr, SOFTCAP: tl.constexpr,
+    ARGMAX: tl.constexpr, DOT_F32: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out = epilogue(x [M, K] @ W.T) for a few rows of x; K = 32 * G.
 
@@ -210,7 +233,8 @@ def _batch_kernel(
     and its first column to idx [M, n_blocks] int32.
     Grid: (cdiv(M, BLOCK_M), n_blocks = cdiv(N, BLOCK_N), SPLIT_K). Program (m, n, k) sums over
     the groups [k * S, (k + 1) * S), S = BLOCK_G * cdiv(cdiv(G, SPLIT_K), BLOCK_G), in steps of
-    BLOCK_G groups (:func:`_tile_dot`): PREFETCH = 0 loads each step's weights in that step (the
+    BLOCK_G groups (:func:`_tile_dot`, eight dots or with ONE_DOT one): PREFETCH = 0 loads each
+    step's weights in that step (the
     first step peeled), PREFETCH = 1 or 2 that many steps ahead; either way the first weights are
     loaded before waiting for the kernel that wrote x (USE_PDL). EVEN (N a multiple of BLOCK_N, G of
     BLOCK_G * SPLIT_K) drops the row and group masks of the weights. With SPLIT_K > 1 the partial
@@ -244,15 +268,17 @@ def _batch_kernel(
         # each step's words are loaded where they are unpacked, so the compiler moves them into
         # the MMA operand's layout while still packed; the first step is peeled so that its
         # weights are loaded before the wait
-        acc = _tile_dot(words, steps, _x_tile(x_ptr, x_off, x_rows_ok, kx, g_begin, g_end, EVEN), acc, DOT_F32)
+        xt = _x_tile(x_ptr, x_off, x_rows_ok, kx, g_begin, g_end, EVEN)
+        acc = _tile_dot(words, steps, xt, acc, DOT_F32, ONE_DOT)
         for g0 in range(g_begin + BLOCK_G, g_end, BLOCK_G):
             words, steps = _tile_loads(w_ptr, s_ptr, w_off, s_off, rows_ok, kw, g0, g_end, EVEN)
-            acc = _tile_dot(words, steps, _x_tile(x_ptr, x_off, x_rows_ok, kx, g0, g_end, EVEN), acc, DOT_F32)
+            xt = _x_tile(x_ptr, x_off, x_rows_ok, kx, g0, g_end, EVEN)
+            acc = _tile_dot(words, steps, xt, acc, DOT_F32, ONE_DOT)
     else:
         for g0 in range(g_begin, g_end, BLOCK_G):
             xt = _x_tile(x_ptr, x_off, x_rows_ok, kx, g0, g_end, EVEN)
             nxt_w, nxt_s = _tile_loads(w_ptr, s_ptr, w_off, s_off, rows_ok, kw, g0 + PREFETCH * BLOCK_G, g_end, EVEN)
-            acc = _tile_dot(words, steps, xt, acc, DOT_F32)
+            acc = _tile_dot(words, steps, xt, acc, DOT_F32, ONE_DOT)
             if PREFETCH == 2:
                 words, steps = words1, steps1
                 words1, steps1 = nxt_w, nxt_s
@@ -307,7 +333,8 @@ def _launch(x, packed, scales, out, *, epilogue=PLAIN, up=None, softcap=None, id
         m, n, kw // 4, x.stride(0), out.stride(0), 0 if up is None else up.stride(0),
         1.0 if softcap is None else float(softcap),
         BLOCK_M=tiling["BLOCK_M"], BLOCK_N=tiling["BLOCK_N"], BLOCK_G=tiling["BLOCK_G"], SPLIT_K=tiling["SPLIT_K"],
-        PREFETCH=tiling["PREFETCH"], EPILOGUE=int(epilogue), SOFTCAP=softcap is not None, ARGMAX=argmax,
+        PREFETCH=tiling["PREFETCH"], ONE_DOT=tiling["ONE_DOT"], EPILOGUE=int(epilogue), SOFTCAP=softcap is not None,
+        ARGMAX=argmax,
         DOT_F32=dot_f32, num_warps=tiling["num_warps"], num_stages=tiling["num_stages"],
         **pdl_launch(x, m),
     )

@@ -12,7 +12,7 @@ import torch
 from qat4.ops._triton import triton
 from qat4.ops.w4.common import sm_count
 
-TILING_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_G", "SPLIT_K", "PREFETCH", "num_warps", "num_stages")
+TILING_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_G", "SPLIT_K", "PREFETCH", "ONE_DOT", "num_warps", "num_stages")
 _MAX_SPLIT = 16  # the last program of a tile adds this many partials at most (unrolled)
 BATCH_SLOTS = 1 << 12  # split-K ticket counters per device (row blocks of W x row blocks of x)
 BATCH_PARTIALS = 1 << 22  # split-K fp32 partial sums per device (16 MiB)
@@ -53,11 +53,12 @@ def _default_tile(n: int, block_m: int) -> tuple:
 
 def _programs_per_sm(tiling: dict) -> int:
     """Programs of this tiling an H200 SM holds at once, by registers (64 Ki per SM, 64 warps at
-    most): the table's measured count, else a rough fit to it (40 + 6 per word + 1.5 per sum)."""
+    most): the table's measured count (eight dots a step), else a rough fit to it (40 + 6 per word
+    + 1.5 per sum)."""
     block_m, block_n, block_g, warps = (tiling[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_G", "num_warps"))
     measured = [regs for bm, _, (bn, bg, w, stages, prefetch), regs in _TILES
-                if (bm, bn, bg, w, stages, prefetch) == (block_m, block_n, block_g, warps, tiling["num_stages"],
-                                                         tiling["PREFETCH"])]
+                if (bm, bn, bg, w, stages, prefetch, 0) == (block_m, block_n, block_g, warps, tiling["num_stages"],
+                                                            tiling["PREFETCH"], tiling["ONE_DOT"])]
     threads = 32 * warps
     regs = measured[0] if measured else min(255, int(40 + 6 * block_n * 4 * block_g / threads + 1.5 * block_n * block_m / threads))
     return max(1, min(65536 // (-(-regs // 8) * 8 * threads), 64 // warps))
@@ -112,7 +113,7 @@ def batch_tiling(n: int, k: int, m: int, device=None, *, sm_count: int | None = 
     (its SM count sets the split; `sm_count` overrides it; no device: one SM)."""
     block_m = _block_m(m)
     block_n, block_g, warps, stages, prefetch = _default_tile(n, block_m)
-    tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_G": block_g, "PREFETCH": prefetch,
+    tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_G": block_g, "PREFETCH": prefetch, "ONE_DOT": 0,
             "num_warps": warps, "num_stages": stages}
     sms = sm_count if sm_count is not None else _sms(device)
     return dict(tile, SPLIT_K=_split_for(n, k // 32, m, tile, sms))
@@ -120,8 +121,9 @@ def batch_tiling(n: int, k: int, m: int, device=None, *, sm_count: int | None = 
 
 def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: int | None = None) -> list[dict]:
     """Tilings worth timing for one shape (tools/bench_w4.py --sweep): the table's; its tile with
-    every PREFETCH and num_stages and with every whole-step split; and the other tiles of 8-16
-    words and at most 64 sums per thread, with the split rule's split. The table's comes first."""
+    one dot a step (ONE_DOT), then both ways with every PREFETCH and num_stages; its tile with
+    every whole-step split; and the other tiles of 8-16 words and at most 64 sums per thread, with
+    the split rule's split. The table's comes first, its ONE_DOT twin second."""
     sms = sm_count if sm_count is not None else _sms(device)
     g = k // 32
     base = batch_tiling(n, k, m, sm_count=sms)
@@ -131,9 +133,10 @@ def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: in
         if tiling not in out and _fits(n, m, tiling):
             out.append(tiling)
 
-    for prefetch in (0, 1, 2):
-        for stages in (1, 2, 3):
-            add(dict(base, num_stages=stages, PREFETCH=prefetch))
+    for one_dot in (1, 0):
+        for prefetch in (0, 1, 2):
+            for stages in (1, 2, 3):
+                add(dict(base, num_stages=stages, PREFETCH=prefetch, ONE_DOT=one_dot))
     for split in _even_splits(g, base["BLOCK_G"]):
         add(dict(base, SPLIT_K=split))
     block_m = base["BLOCK_M"]
@@ -171,9 +174,10 @@ def resolve_tiling(config: dict | None, n: int, k: int, m: int, device) -> dict:
     pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
     if not (pow2(tiling["BLOCK_M"]) and tiling["BLOCK_M"] >= 16 and pow2(tiling["BLOCK_N"]) and tiling["BLOCK_N"] >= 16
             and pow2(tiling["BLOCK_G"]) and tiling["BLOCK_G"] >= 4 and tiling["PREFETCH"] in (0, 1, 2)
+            and tiling["ONE_DOT"] in (0, 1)
             and tiling["SPLIT_K"] >= 1 and pow2(tiling["num_warps"]) and tiling["num_stages"] >= 1):
         raise ValueError(f"a batch tiling needs BLOCK_M, BLOCK_N >= 16 and BLOCK_G >= 4 (tl.dot's 16) as powers of two, "
-                         f"PREFETCH 0, 1 or 2, SPLIT_K >= 1; got {tiling}")
+                         f"PREFETCH 0, 1 or 2, ONE_DOT 0 or 1, SPLIT_K >= 1; got {tiling}")
     if "SPLIT_K" not in config and any(key in config for key in ("BLOCK_N", "BLOCK_G", "BLOCK_M", "num_warps")):
         tiling["SPLIT_K"] = _split_for(n, k // 32, m, tiling, _sms(device))
     if not _fits(n, m, tiling):
