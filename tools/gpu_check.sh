@@ -5,7 +5,8 @@
 # also leaves as $OUT/triton_cache.tar.xz.NN (15 MiB parts), and parts found in .triton_cache/ are
 # unpacked into it first, so a fresh machine starts with the kernels an earlier one compiled.
 #   usage: tools/gpu_check.sh STEP...   steps: kernels sweep tests bench cap tune serve load turns eval spec mtp grammar profile all
-#     kernels  the int4 kernels at E2B decode shapes: GEMV, decode-batch kernel and GEMM at 2, 16, 64 rows
+#     kernels  the int4 kernels at E2B decode shapes: GEMV, decode-batch kernel and GEMM at 2, 16, 64 rows;
+#              the batch kernel again with one dot a step (ONE_DOT) at 16 and 64
 #     sweep    every decode-batch tiling at 4, 16 and 64 rows (tools/bench_w4.py --sweep)
 #     tests    pytest -m gpu tests/gpu
 #     bench    qat4 bench: decode by depth, prompt, batched decode at 1, 4, 16, 64 sequences
@@ -55,6 +56,10 @@ SHAPES=2560x1536,2048x1536,1536x2048,12288x1536,24576x1536,1536x6144,1536x12288,
 if want kernels; then
     for rows in 2 16 64; do
         timeout 200 python3 tools/bench_w4.py --rows $rows --shapes $SHAPES 2>&1 | tee "$LOGS/bench_w4_rows$rows.log" | grep -E "per token|#"
+    done
+    for rows in 16 64; do  # the batch kernel with one dot a step
+        timeout 200 python3 tools/bench_w4.py --rows $rows --shapes $SHAPES --batch-config '{"ONE_DOT": 1}' 2>&1 \
+            | tee "$LOGS/bench_w4_rows${rows}_one_dot.log" | grep -E "per token|#"
     done
 fi
 if want sweep; then
