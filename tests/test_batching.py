@@ -176,18 +176,18 @@ def test_the_load_warm_up_runs_every_padded_prompt_step_and_leaves_the_pool_empt
     assert_pool_empty(engine)
 
 
-def test_prompt_steps_longer_than_the_context_keep_their_rows_inside_it(packed, monkeypatch):
+def test_prompt_steps_longer_than_the_context_keep_their_rows_inside_it(packed):
     """A context of 12 tokens with prompt steps padded up to 48 (several short prompts at once):
-    the warm-up's padded steps and the padding rows of a step of three 6-token prompts (18 tokens
-    padded to 32, read first: later their blocks come from the prompt cache) stay at positions
-    inside the context, and the three prompts read in one step get the tokens each gets alone."""
+    the load's padded prompt steps (qat4.engine.warmup.capture_graphs) and the padding rows of a
+    step of three 6-token prompts (18 tokens padded to 32, read first: later their blocks come from
+    the prompt cache) stay at positions inside the context, and the three prompts read in one step
+    get the tokens each gets alone."""
     from qat4.engine import warmup
 
     engine = make_engine(packed, prefill_chunk=48, max_ctx=12, kv_tokens=48)
     engine.runner = ModelRunner(engine.model, engine.pool, max_num_seqs=engine.max_num_seqs, use_graph=False,
                                 max_chunk=48, pad_chunks=True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    warmup.reserve_workspace(engine)
+    warmup.capture_graphs(engine)
     assert {key[0] for key in engine.runner.chunk_graphs} == {16, 32, 48}
     prompts = [prompt(6, i) for i in range(3)]
     together = [engine.add_request(p, 4, temperature=0, stop_token_ids=[]) for p in prompts]
