@@ -1,7 +1,8 @@
 """Compile the decode-batch kernel (qat4.ops.w4.batch) for a GPU without one, and count what its K
 loop runs: the installed Triton's compiler, ptxas and nvdisasm, for an sm_90a target by default.
 
-    python tools/kernel_sass.py [--tile 64 128 4 8] [--one-dot] [--x-dtype bf16] [--arch 90]
+    python tools/kernel_sass.py [--tile 64 128 4 8] [--one-dot] [--prefetch 0] [--stages 1] [--x-dtype bf16]
+                                [--arch 90]
 
 Prints per tile (BLOCK_M BLOCK_N BLOCK_G num_warps) the registers and shared memory a program
 takes and the instructions of the loop's body by class (HGMMA, WARPGROUP, BAR, LDG, STS, ...), so
@@ -32,7 +33,7 @@ ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "out_ptr", "idx_ptr", "u_ptr", "part_ptr",
 TABLE_TILES = ((16, 64, 8, 4), (16, 128, 4, 8), (32, 128, 4, 8), (64, 128, 4, 8), (64, 256, 4, 16), (128, 128, 4, 8))
 
 
-def compile_tile(tile, one_dot: bool, x_dtype: str, arch: int):
+def compile_tile(tile, one_dot: bool, x_dtype: str, arch: int, prefetch: int = 0, stages: int = 1):
     """The compiled kernel for one tile (BLOCK_M, BLOCK_N, BLOCK_G, num_warps)."""
     fn = _batch_kernel.fn  # under the heuristics decorator
     signature = {name: "i32" for name in fn.arg_names}
@@ -40,12 +41,12 @@ def compile_tile(tile, one_dot: bool, x_dtype: str, arch: int):
                       "idx_ptr": "*i32", "u_ptr": f"*{x_dtype}", "part_ptr": "*fp32", "lock_ptr": "*i32",
                       "softcap": "fp32"})
     block_m, block_n, block_g, warps = tile
-    constants = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=block_g, SPLIT_K=4, PREFETCH=0, ONE_DOT=int(one_dot),
+    constants = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=block_g, SPLIT_K=4, PREFETCH=prefetch, ONE_DOT=int(one_dot),
                      EPILOGUE=0, SOFTCAP=False, ARGMAX=False, DOT_F32=x_dtype == "fp32", EVEN=True, USE_PDL=False)
     signature.update({name: "constexpr" for name in constants})
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
     source = ASTSource(fn, signature, constants, attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": 1})
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})
 
 
 def nvidia_tool(name: str) -> str:
@@ -71,8 +72,8 @@ def loop_counts(sass: str) -> collections.Counter:
     return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for text in longest)
 
 
-def describe(tile, one_dot: bool, x_dtype: str, arch: int) -> str:
-    kernel = compile_tile(tile, one_dot, x_dtype, arch)
+def describe(tile, one_dot: bool, x_dtype: str, arch: int, prefetch: int = 0, stages: int = 1) -> str:
+    kernel = compile_tile(tile, one_dot, x_dtype, arch, prefetch, stages)
     with tempfile.TemporaryDirectory() as scratch:
         cubin = os.path.join(scratch, "kernel.cubin")
         with open(cubin, "wb") as f:
@@ -92,13 +93,16 @@ def main() -> None:
     parser.add_argument("--tile", type=int, nargs=4, metavar=("BLOCK_M", "BLOCK_N", "BLOCK_G", "WARPS"),
                         help="one tile (default: the table's tiles)")
     parser.add_argument("--one-dot", action="store_true", help="only ONE_DOT=1 (default: both ways)")
+    parser.add_argument("--prefetch", type=int, choices=(0, 1, 2), default=0, help="steps of words loaded ahead")
+    parser.add_argument("--stages", type=int, default=1, help="num_stages (Triton's software pipelining)")
     parser.add_argument("--x-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for sm_90a")
     args = parser.parse_args()
-    print(f"Triton {triton.__version__}, sm_{args.arch}, x {args.x_dtype}")
+    print(f"Triton {triton.__version__}, sm_{args.arch}, x {args.x_dtype}, PREFETCH {args.prefetch}, "
+          f"num_stages {args.stages}")
     for tile in [tuple(args.tile)] if args.tile else TABLE_TILES:
         for one_dot in (True,) if args.one_dot else (False, True):
-            print(describe(tile, one_dot, args.x_dtype, args.arch), flush=True)
+            print(describe(tile, one_dot, args.x_dtype, args.arch, args.prefetch, args.stages), flush=True)
 
 
 if __name__ == "__main__":
