@@ -174,9 +174,10 @@ def test_splits_cover_two_programs_per_sm_for_any_batch():
 # Triton kernels
 
 
-def test_triton_kernels_under_interpreter():
-    """Runs this file's kernel tests in a subprocess with TRITON_INTERPRET=1."""
-    run_interpreted(__file__)
+def test_triton_kernels_under_interpreter(request):
+    """Runs this file's kernel tests in a subprocess with TRITON_INTERPRET=1 (shared by the kernel
+    test files of the session)."""
+    run_interpreted(__file__, request)
 
 
 

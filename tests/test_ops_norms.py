@@ -199,9 +199,10 @@ def test_public_functions_use_reference_on_cpu(monkeypatch):
 # Triton kernels
 
 
-def test_triton_kernels_under_interpreter():
-    """Runs this file's kernel tests in a subprocess with TRITON_INTERPRET=1."""
-    run_interpreted(__file__)
+def test_triton_kernels_under_interpreter(request):
+    """Runs this file's kernel tests in a subprocess with TRITON_INTERPRET=1 (shared by the kernel
+    test files of the session)."""
+    run_interpreted(__file__, request)
 
 
 def assert_kernel_close(actual, expected):

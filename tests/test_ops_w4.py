@@ -148,9 +148,10 @@ def test_shape_mismatch_is_rejected():
 # Triton kernels
 
 
-def test_triton_kernels_under_interpreter():
-    """Runs this file's kernel tests in a subprocess with TRITON_INTERPRET=1."""
-    run_interpreted(__file__)
+def test_triton_kernels_under_interpreter(request):
+    """Runs this file's kernel tests in a subprocess with TRITON_INTERPRET=1 (shared by the kernel
+    test files of the session)."""
+    run_interpreted(__file__, request)
 
 
 def kernel_inputs(m, n, k, x_dtype, scale_dtype, seed=0):

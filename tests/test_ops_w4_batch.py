@@ -51,9 +51,10 @@ def rel_err(actual, expected):
     return float((a - e).norm() / e.norm())
 
 
-def test_triton_kernels_under_interpreter():
-    """Runs this file's kernel tests in a subprocess with TRITON_INTERPRET=1."""
-    run_interpreted(__file__)
+def test_triton_kernels_under_interpreter(request):
+    """Runs this file's kernel tests in a subprocess with TRITON_INTERPRET=1 (shared by the kernel
+    test files of the session)."""
+    run_interpreted(__file__, request)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,10 +14,13 @@ import jsonschema
 import openai
 import pytest
 import xgrammar
-from server_harness import LiveServer, tiny_engine, tiny_tokenizer
+from server_harness import TINY_MAX_CTX, LiveServer, tiny_engine, tiny_tokenizer
 
 from qat4.chat.call_grammar import CallGrammar
 from qat4.chat.grammars import GrammarConstraint, grammars_for
+from qat4.checkpoint.synth import synthetic_model
+from qat4.config import PRESETS
+from qat4.engine import Engine
 from qat4.server.app import create_app
 
 PERSON = {"type": "object", "properties": {
@@ -42,23 +45,37 @@ BOOKING = {"type": "function", "function": {"name": "book_table", "description":
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+BOOK = [{"role": "user", "content": "Book dinner in Rome for four."}]
 REQUESTS = 20
 
 
 @pytest.fixture(scope="module")
 def server():
-    with LiveServer(create_app(tiny_engine(), model_name="tiny")) as live:
-        yield live
+    """The tiny engine with a slot and KV room for all REQUESTS sequences at once, so they decode
+    together rather than preempting one another (constrained sequences preempted and read again:
+    test_constrained_sequences_preempted_and_read_again_still_follow_their_grammar)."""
+    engine = tiny_engine(max_num_seqs=REQUESTS, kv_tokens=REQUESTS * TINY_MAX_CTX)
+    with LiveServer(create_app(engine, model_name="tiny")) as live:
+        with openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=600) as live.client:
+            yield live
 
 
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    """The server's client, which the requests share (it is thread-safe)."""
+    return server.client
 
 
 def many(function, count: int = REQUESTS) -> list:
     """``function(i)`` for i < count, concurrently, so the engine batches the requests."""
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(count) as pool:
         return list(pool.map(function, range(count)))
+
+
+def read_prompt_once(server, **body) -> None:
+    """A one-token request of ``body``'s prompt, so the prompt cache holds it: the concurrent requests
+    after it then decode together from their first step, instead of each reading the prompt."""
+    reply = client(server).chat.completions.create(model="tiny", max_tokens=1, **body)
+    assert reply.choices[0].finish_reason == "length"
 
 
 def streamed_chat(server, **body) -> tuple[str, list[dict], str]:
@@ -90,6 +107,7 @@ def test_json_schema_replies_validate(server, stream):
         assert finish == "stop", content
         return content
 
+    read_prompt_once(server, messages=ASK, response_format=person_format())
     for content in many(one):
         person = json.loads(content)
         jsonschema.validate(person, PERSON)
@@ -115,9 +133,8 @@ def test_json_cut_by_max_tokens_is_length(server):
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_tool_calls_validate(server, stream):
     def one(i: int) -> list[dict]:
-        body = dict(messages=[{"role": "user", "content": "Book dinner in Rome for four."}], tools=[WEATHER, BOOKING],
-                    tool_choice="required", max_tokens=200, seed=100 + i, temperature=0 if i % 4 == 0 else 1.0,
-                    parallel_tool_calls=i % 2 == 0)
+        body = dict(messages=BOOK, tools=[WEATHER, BOOKING], tool_choice="required", max_tokens=200, seed=100 + i,
+                    temperature=0 if i % 4 == 0 else 1.0, parallel_tool_calls=i % 2 == 0)
         if stream:
             _, calls, finish = streamed_chat(server, **body)
         else:
@@ -129,6 +146,7 @@ def test_required_tool_calls_validate(server, stream):
         return calls
 
     schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (WEATHER, BOOKING)}
+    read_prompt_once(server, messages=BOOK, tools=[WEATHER, BOOKING], tool_choice="required")
     for calls in many(one):
         for call in calls:
             jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
@@ -187,6 +205,27 @@ def test_python_api_json_schema_and_grammar_state_freed():
     engine.drain()
     generation = engine.generate("Person:", max_new_tokens=300, temperature=0, json_schema=PERSON)
     jsonschema.validate(json.loads(generation.text), PERSON)
+
+
+def test_constrained_sequences_preempted_and_read_again_still_follow_their_grammar():
+    """A pool of 128 positions holds four prompts but not their replies: sequences are preempted
+    mid-reply and read again, prompt and output, while their grammars keep their place; each reply
+    is the one the same seeded request gets where the pool holds them all, and validates."""
+    requests = [("Person:", i) for i in range(4)]
+    cramped = Engine.from_packed(synthetic_model(PRESETS["tiny"]), "cpu", max_ctx=128, kv_tokens=128,
+                                 tokenizer=tiny_tokenizer())
+    replies = []
+    for engine in (cramped, tiny_engine()):
+        seqs = [engine.add_request(prompt, max_new_tokens=120, temperature=1.0, seed=seed,
+                                   constraint=engine.json_constraint(PERSON)) for prompt, seed in requests]
+        engine.drain()
+        assert all(seq.finish_reason == "stop" and seq.constraint is None for seq in seqs)
+        replies.append([seq.output for seq in seqs])
+        if engine is cramped:
+            assert engine.scheduler.preempted_total > 0
+    assert replies[0] == replies[1]
+    for tokens in replies[0]:
+        jsonschema.validate(json.loads(cramped.tokenizer.decode(tokens[:-1])), PERSON)
 
 
 def test_a_constraint_switched_on_mid_reply_drops_the_token_picked_without_it():
