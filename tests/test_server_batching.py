@@ -18,8 +18,11 @@ from qat4.server.app import create_app
 
 @pytest.fixture(scope="module")
 def engine():
+    """64 slots and a pool of 512 positions, which holds about 16 of a flood's short sequences at
+    once: the flood's requests still wait for pool room, while enough of them run together that
+    its 500 requests take half the steps they took in a pool of max_ctx (six at a time on average)."""
     return Engine.from_packed(synthetic_model(PRESETS["tiny"]), "cpu", max_ctx=256, max_num_seqs=64, prefill_chunk=256,
-                              tokenizer=tiny_tokenizer())
+                              kv_tokens=512, tokenizer=tiny_tokenizer())
 
 
 def completion(prompt: str, max_tokens: int, **extra) -> dict:
