@@ -5,8 +5,6 @@ starts kept in a temporary state directory and stopped whatever happens."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,9 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
+from qat4.checkpoint.synth import write_synthetic  # noqa: E402
+from qat4.cli import main  # noqa: E402
+from qat4.config import TINY  # noqa: E402
 from qat4.serve_process import free_port  # noqa: E402
 
 NOTEBOOK = Path(__file__).parent.parent / "examples" / "qat4_colab.ipynb"
@@ -42,10 +43,6 @@ def printed(notebook) -> str:
                    for output in cell.get("outputs", []))
 
 
-def qat4(*words: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "qat4.cli", *words], capture_output=True, text=True)
-
-
 def test_the_notebook_is_stored_without_outputs_and_names_the_real_model():
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     nbformat.validate(notebook)
@@ -57,9 +54,7 @@ def test_the_notebook_is_stored_without_outputs_and_names_the_real_model():
 
 
 def test_the_notebook_runs_end_to_end_on_the_cpu(tmp_path, monkeypatch):
-    model = tmp_path / "tiny-emb4"
-    made = qat4("synth", "--preset", "tiny", "--format", "ct-emb4", "--out", str(model))
-    assert made.returncode == 0, made.stderr
+    model = write_synthetic(tmp_path / "tiny-emb4", TINY, "ct-emb4")
     state, port = tmp_path / "state", free_port()
     monkeypatch.setenv("QAT4_STATE_DIR", str(state))  # the kernel and the server it starts inherit it
     monkeypatch.delenv("QAT4_API_KEY", raising=False)
@@ -69,8 +64,8 @@ def test_the_notebook_runs_end_to_end_on_the_cpu(tmp_path, monkeypatch):
     try:
         nbclient.NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                                 resources={"metadata": {"path": str(tmp_path)}}).execute()
-    finally:
-        qat4("stop", "--port", str(port), "--timeout", "5")
+    finally:  # in this process, whose environment names the state directory too
+        main(["stop", "--port", str(port), "--timeout", "5"])
     out = printed(notebook)
     assert "device: cpu" in out
     assert re.search(r"^⚠️ gpu: no CUDA GPU", out, re.M) and re.search(r"^✅ model: ", out, re.M)
