@@ -4,7 +4,7 @@
 # ./out). Compiled kernels stay in $TRITON_CACHE_DIR (default /tmp/qat4_triton_cache); the cache
 # also leaves as $OUT/triton_cache.tar.xz.NN (15 MiB parts), and parts found in .triton_cache/ are
 # unpacked into it first, so a fresh machine starts with the kernels an earlier one compiled.
-#   usage: tools/gpu_check.sh STEP...   steps: kernels sweep tests bench cap tune serve load turns eval spec mtp grammar profile all
+#   usage: tools/gpu_check.sh STEP...   steps: kernels sweep tests bench cap tune serve load overhead turns eval spec mtp grammar profile all
 #     kernels  the int4 kernels at E2B decode shapes: GEMV, decode-batch kernel and GEMM at 2, 16, 64 rows;
 #              the batch kernel again with one dot a step (ONE_DOT) at 16 and 64
 #     sweep    every decode-batch tiling at 4, 16 and 64 rows (tools/bench_w4.py --sweep)
@@ -14,6 +14,7 @@
 #     tune     qat4 bench --tune (saves decode tilings to $LOGS/decode_tilings.json, used by later steps)
 #     serve    qat4 bench serve at 1, 4, 16, 64 clients (512-token prompts, 128 new tokens)
 #     load     the same closed-loop load on the engine alone, at 16 and 64 clients (tools/engine_load.py)
+#     overhead the server app over a paced engine at the engine's step times, on this host's CPUs (tools/serve_overhead.py)
 #     turns    qat4 bench serve --multi-turn: 1, then 8 conversations of 10 turns over an 8,000-word history
 #     eval     qat4 eval: all 1,319 GSM8K problems and the 400 BFCL simple questions against qat4 serve at 64
 #              clients, with their wall times (data from $EVAL_DATA, default ../shared/data)
@@ -114,6 +115,10 @@ if want mtp; then
     timeout ${MTP_TIMEOUT:-400} python3 -m qat4.cli bench speculative "${E2B[@]}" --mtp /tmp/qat4_mtp_e2b --batch 1,16 \
         --acceptance ${MTP_AS:-0,0.5,0.7,0.9} --k ${MTP_KS:-2,3,4,8} --spec-tokens 8 --new 128 --context 512 --json "$LOGS/bench_mtp.json" 2>&1 \
         | tee "$LOGS/bench_mtp.log" | tail -40
+fi
+if want overhead; then  # no GPU: what the server costs beside the engine, with cores to spare for the client
+    timeout ${OVERHEAD_TIMEOUT:-300} python3 tools/serve_overhead.py --concurrency 16,64 --host-ms 0,1 --switch-interval-ms 5,0.5 \
+        --json "$LOGS/serve_overhead.json" 2>&1 | tee "$LOGS/serve_overhead.log" | tail -9
 fi
 if want grammar; then
     timeout ${GRAMMAR_TIMEOUT:-240} python3 tools/bench_grammar.py --device cuda --engine --rows 1 16 --json "$LOGS/bench_grammar.json" 2>&1 \

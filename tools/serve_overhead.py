@@ -11,7 +11,7 @@ pace; the table puts the server's output tok/s beside it, per level and per Pyth
 interval (``sys.setswitchinterval``, 5 ms by default), so the cost of the server sharing one
 interpreter with the engine can be studied on any machine.
 
-    python tools/serve_overhead.py --concurrency 16,64 --host-ms 1.0 --switch-interval-ms 5,0.5
+    python tools/serve_overhead.py --concurrency 16,64 --host-ms 0,1 --switch-interval-ms 5,0.5
 
 The server (with the paced engine in its thread) and the client (`qat4 bench serve --url`) run in
 separate processes; each row also gives the server process's CPU time per output token. The
@@ -180,13 +180,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(args: argparse.Namespace, switch_ms: float) -> list[dict]:
-    """Start the server at one switch interval, run the client at each level, return its rows,
+def measure(args: argparse.Namespace, host_ms: float, switch_ms: float) -> list[dict]:
+    """Start the server at one engine host time and switch interval, run the client at each level, return its rows,
     each with the server process's CPU seconds over the level (its warm-up requests included)."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     command = [sys.executable, __file__, "--serve", "--port", str(port), "--switch-interval-ms", str(switch_ms),
-               "--step-ms", args.step_ms, "--host-ms", str(args.host_ms), "--prompt-us", str(args.prompt_us),
+               "--step-ms", args.step_ms, "--host-ms", str(host_ms), "--prompt-us", str(args.prompt_us),
                "--max-num-seqs", str(args.max_num_seqs)]
     server = subprocess.Popen(command, env=env)
     try:
@@ -232,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="16,64", help="client levels (default: %(default)s)")
     p.add_argument("--step-ms", default="1:1.8,4:2.2,16:2.55,64:4.69",
                    help="device ms per decode step by rows, ROWS:MS,... (default: the H200's engine figures)")
-    p.add_argument("--host-ms", type=float, default=0.0,
-                   help="ms of Python the engine runs per step, holding the GIL (default: %(default)s, the server's cost alone)")
+    p.add_argument("--host-ms", default="0",
+                   help="ms of Python the engine runs per step, holding the GIL, to compare (default: %(default)s, "
+                        "the server's cost alone)")
     p.add_argument("--prompt-us", type=float, default=7.7, help="device µs per prompt token (default: %(default)s)")
     p.add_argument("--switch-interval-ms", default="5", help="Python switch intervals to compare (default: %(default)s)")
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens per request (default: %(default)s)")
@@ -244,24 +245,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
-        args.switch_interval_ms = float(args.switch_interval_ms)
+        args.host_ms, args.switch_interval_ms = float(args.host_ms), float(args.switch_interval_ms)
         serve(args)
         return 0
     steps = parse_steps(args.step_ms)
     rows = []
-    print(f"{'switch ms':>9} {'clients':>7} {'engine pace tok/s':>17} {'served tok/s':>12} {'share':>6} "
+    print(f"{'host ms':>7} {'switch ms':>9} {'clients':>7} {'engine pace tok/s':>17} {'served tok/s':>12} {'share':>6} "
           f"{'TPOT p50 ms':>11} {'server CPU µs/token':>19}")
-    for switch_ms in (float(s) for s in args.switch_interval_ms.split(",")):
-        for level in measure(args, switch_ms):
+    settings = [(float(h), float(s)) for h in args.host_ms.split(",") for s in args.switch_interval_ms.split(",")]
+    for host_ms, switch_ms in settings:
+        for level in measure(args, host_ms, switch_ms):
             c = level["concurrency"]
             pace = engine_pace(steps, c, args.input_len, args.output_len, args.prompt_us)
             served = level["output_tok_s"]
             tokens = level["requests"] * args.output_len
-            row = {"switch_interval_ms": switch_ms, "concurrency": c, "engine_pace_tok_s": round(pace),
+            row = {"host_ms": host_ms, "switch_interval_ms": switch_ms, "concurrency": c, "engine_pace_tok_s": round(pace),
                    "served_tok_s": round(served), "share": round(served / pace, 3), "tpot_p50_ms": level["tpot_ms"]["p50"],
                    "server_cpu_us_per_token": round(level["server_cpu_s"] / tokens * 1e6, 1)}
             rows.append(row)
-            print(f"{switch_ms:9g} {c:7d} {pace:17,.0f} {served:12,.0f} {served / pace:6.1%} {row['tpot_p50_ms']:11.2f} "
+            print(f"{host_ms:7g} {switch_ms:9g} {c:7d} {pace:17,.0f} {served:12,.0f} {served / pace:6.1%} {row['tpot_p50_ms']:11.2f} "
                   f"{row['server_cpu_us_per_token']:19.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
