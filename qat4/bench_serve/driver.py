@@ -1,5 +1,6 @@
-"""The requests of `qat4 bench serve` on the wire: one streamed request timed chunk by chunk, a
-level's requests through exactly `concurrency` clients, and the uncounted warm-up."""
+"""The requests of `qat4 bench serve` on the wire: one streamed request timed chunk by chunk (each
+on a connection of its own, read by :func:`qat4.api_client.post_streamed`), a level's requests
+through exactly `concurrency` clients, and the uncounted warm-up."""
 
 from __future__ import annotations
 
@@ -9,9 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
-from qat4.api_client import StreamError, astream_events, async_client, error_message
+from qat4.api_client import StreamError, WireError, astream_events, error_message, post_streamed
 from qat4.bench_serve.workload import ENDPOINTS, Prompt, Workload
 
 WARMUP_MAX_TOKENS = 4
@@ -52,7 +51,7 @@ def _has_text(event: dict[str, Any]) -> bool:
     return False
 
 
-async def send_request(client: httpx.AsyncClient, workload: Workload, prompt: Prompt, max_tokens: int) -> RequestResult:
+async def send_request(workload: Workload, prompt: Prompt, max_tokens: int) -> RequestResult:
     """Send one streamed request and time it. HTTP errors, error events and broken connections come
     back as a failed RequestResult naming the status and the server's message."""
     start = time.perf_counter()
@@ -65,10 +64,11 @@ async def send_request(client: httpx.AsyncClient, workload: Workload, prompt: Pr
     text: list[str] = []
     chunks, usage = 0, {}
     try:
-        async with client.stream("POST", ENDPOINTS[workload.endpoint], json=workload.body(prompt, max_tokens)) as reply:
-            if reply.status_code != 200:
-                return failed(f"HTTP {reply.status_code}: {error_message(await reply.aread())}")
-            async for event in astream_events(reply.aiter_lines()):
+        async with post_streamed(workload.url, ENDPOINTS[workload.endpoint], workload.body(prompt, max_tokens),
+                                 workload.api_key) as reply:
+            if reply.status != 200:
+                return failed(f"HTTP {reply.status}: {error_message(await reply.body())}")
+            async for event in astream_events(reply.lines()):
                 if isinstance(event.get("usage"), dict):
                     usage = event["usage"]
                 for choice in event.get("choices") or []:
@@ -82,7 +82,7 @@ async def send_request(client: httpx.AsyncClient, workload: Workload, prompt: Pr
                     last, chunks = now, chunks + 1
     except StreamError as exc:
         return failed(str(exc))
-    except httpx.HTTPError as exc:
+    except (OSError, asyncio.IncompleteReadError, WireError) as exc:
         return failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
     if first is None:
         return failed("the reply ended without any text")
@@ -98,19 +98,17 @@ async def run_level(workload: Workload, prompts: Sequence[Prompt], concurrency: 
     results: list[RequestResult | None] = [None] * len(prompts)
     queue = iter(enumerate(prompts))  # shared by the clients: each takes the next prompt when free
 
-    async with async_client(workload.url, workload.api_key, concurrency) as client:
-        async def one_client() -> None:
-            for i, prompt in queue:
-                results[i] = await send_request(client, workload, prompt, workload.output_len)
-                if on_result is not None:
-                    on_result(results[i])
+    async def one_client() -> None:
+        for i, prompt in queue:
+            results[i] = await send_request(workload, prompt, workload.output_len)
+            if on_result is not None:
+                on_result(results[i])
 
-        start = time.perf_counter()
-        await asyncio.gather(*(one_client() for _ in range(concurrency)))
-        return results, time.perf_counter() - start
+    start = time.perf_counter()
+    await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    return results, time.perf_counter() - start
 
 
 async def warm_up(workload: Workload, prompt: Prompt) -> RequestResult:
     """One uncounted request of WARMUP_MAX_TOKENS, so first-use costs (compiling, caches) stay out of the figures."""
-    async with async_client(workload.url, workload.api_key, 1) as client:
-        return await send_request(client, workload, prompt, min(workload.output_len, WARMUP_MAX_TOKENS))
+    return await send_request(workload, prompt, min(workload.output_len, WARMUP_MAX_TOKENS))

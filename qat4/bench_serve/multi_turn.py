@@ -8,9 +8,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-import httpx
 
-from qat4.api_client import async_client
 from qat4.bench_serve.driver import RequestResult, send_request
 from qat4.bench_serve.stats import summarize_ms
 from qat4.bench_serve.workload import PROMPT_IDS, WORDS, Workload
@@ -68,33 +66,32 @@ def run_multi_turn(workload: Workload, turns: int, sessions: int, turn_len: int,
         if on_result is not None:
             on_result(phase, done[phase], sessions * turns, result)
 
-    async def converse(client: httpx.AsyncClient, s: int) -> None:
+    async def converse(s: int) -> None:
         messages = [{"role": "system", "content": tag()}]
         for user in conversations[s]:
             messages.append({"role": "user", "content": user})
             sent[s].append(list(messages))
-            result = await send_request(client, workload, list(messages), workload.output_len)
+            result = await send_request(workload, list(messages), workload.output_len)
             warm[s].append(result)
             counted("warm", result)
             messages.append({"role": "assistant", "content": result.text})
 
-    async def replay(client: httpx.AsyncClient, s: int) -> None:
+    async def replay(s: int) -> None:
         for t, messages in enumerate(sent[s]):
             fresh = [{"role": "system", "content": tag()}, *messages[1:]]
-            cold[s][t] = await send_request(client, workload, fresh, workload.output_len)
+            cold[s][t] = await send_request(workload, fresh, workload.output_len)
             counted("cold", cold[s][t])
 
-    async def read_new(client: httpx.AsyncClient, s: int) -> None:
+    async def read_new(s: int) -> None:
         for t, turn in enumerate(warm[s]):
             if turn.ok:
                 prompt = rng.choices(PROMPT_IDS, k=max(1, turn.input_tokens - turn.cached_tokens))
-                new_only[s][t] = await send_request(client, ids, prompt, workload.output_len)
+                new_only[s][t] = await send_request(ids, prompt, workload.output_len)
                 counted("new tokens only", new_only[s][t])
 
     async def phases() -> None:
-        async with async_client(workload.url, workload.api_key, sessions) as client:
-            for phase in (converse, replay, read_new):
-                await asyncio.gather(*(phase(client, s) for s in range(sessions)))
+        for phase in (converse, replay, read_new):
+            await asyncio.gather(*(phase(s) for s in range(sessions)))
 
     asyncio.run(phases())
     reports = []
