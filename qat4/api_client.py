@@ -12,6 +12,7 @@ the benchmark's client would otherwise take a core of the machine it measures.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
@@ -128,17 +129,14 @@ class StreamedReply:
         reader = self._reader
         if "chunked" in self.headers.get("transfer-encoding", "").lower():
             while True:
-                line = await reader.readline()
-                try:
-                    size = int(line.split(b";")[0], 16)
-                except ValueError:
-                    raise WireError(f"bad chunk size line {line[:40]!r}") from None
+                line = await _line(reader)
+                size = _number(line.split(b";")[0], 16, "chunk size")
                 if size == 0:
                     return
                 piece = await reader.readexactly(size + 2)
                 yield piece[:-2]
         elif "content-length" in self.headers:
-            yield await reader.readexactly(int(self.headers["content-length"]))
+            yield await reader.readexactly(_number(self.headers["content-length"].encode(), 10, "Content-Length"))
         else:
             while piece := await reader.read(1 << 16):
                 yield piece
@@ -154,42 +152,79 @@ class StreamedReply:
             if b"\n" in held:
                 *complete, held = held.split(b"\n")
                 for line in complete:
-                    yield line.rstrip(b"\r").decode()
+                    yield line.rstrip(b"\r").decode(errors="replace")
         if held:
-            yield held.rstrip(b"\r").decode()
+            yield held.rstrip(b"\r").decode(errors="replace")
+
+
+async def _line(reader: asyncio.StreamReader) -> bytes:
+    """One line of the reply's head or chunk framing; WireError when the server closed instead or
+    the line outgrows the reader's buffer."""
+    try:
+        line = await reader.readline()
+    except ValueError:  # asyncio's LimitOverrunError, as readline raises it
+        raise WireError("a line of the reply's framing is longer than 1 MiB") from None
+    if not line:
+        raise WireError("the server closed the connection before the reply's end")
+    return line
+
+
+def _number(text: bytes, base: int, what: str) -> int:
+    try:
+        value = int(text, base)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise WireError(f"bad {what} {text[:40]!r} in the reply")
+    return value
+
+
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    """The TLS context of https requests, made once (reading the CA bundle takes milliseconds):
+    certifi's certificates, as httpx trusts, where it is installed."""
+    try:
+        import certifi
+    except ImportError:
+        return ssl.create_default_context()
+    return ssl.create_default_context(cafile=certifi.where())
 
 
 @asynccontextmanager
 async def post_streamed(url: str, path: str, payload: dict[str, Any], api_key: str | None) -> AsyncIterator[StreamedReply]:
     """POST `payload` as JSON to `url` + `path` (`url` as :func:`async_client` takes it: http or
-    https, no /v1) on a connection of its own, closed on the way out; connecting is bounded by
-    CONNECT_TIMEOUT_S, the reply is not. Raises OSError (connecting, a broken connection),
-    asyncio.IncompleteReadError (a reply cut short) and WireError (not HTTP/1.1)."""
+    https, no /v1; proxies are not used) on a connection of its own, closed on the way out;
+    connecting is bounded by CONNECT_TIMEOUT_S, the reply is not. Interim (1xx) replies are
+    skipped. Raises OSError (connecting, a broken connection), asyncio.IncompleteReadError (a
+    reply cut short) and WireError (a reply that is not HTTP/1.1 or ends before its head does)."""
     parts = urlsplit(url)
     secure = parts.scheme == "https"
     host = parts.hostname or "localhost"
     port = parts.port or (443 if secure else 80)
-    connecting = asyncio.open_connection(host, port, ssl=ssl.create_default_context() if secure else None,
-                                         limit=1 << 20)
+    connecting = asyncio.open_connection(host, port, ssl=_tls() if secure else None, limit=1 << 20)
     try:
         reader, writer = await asyncio.wait_for(connecting, CONNECT_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise OSError(f"no connection to {host}:{port} within {CONNECT_TIMEOUT_S:g} s") from None
     try:
         body = json.dumps(payload).encode()
-        head = {"Host": parts.netloc, "Content-Type": "application/json", "Accept": "text/event-stream",
+        named_host = f"[{host}]" if ":" in host else host
+        head = {"Host": named_host if parts.port is None else f"{named_host}:{parts.port}",
+                "Content-Type": "application/json", "Accept": "text/event-stream",
                 "Content-Length": str(len(body)), "Connection": "close", **auth_headers(api_key)}
         target = parts.path.rstrip("/") + path
         writer.write(f"POST {target} HTTP/1.1\r\n".encode()
                      + "".join(f"{name}: {value}\r\n" for name, value in head.items()).encode() + b"\r\n" + body)
-        status_line = await reader.readline()
-        version, _, rest = status_line.decode("latin-1").partition(" ")
-        if not version.startswith("HTTP/") or not rest[:3].isdigit():
-            raise WireError(f"not an HTTP reply: {status_line[:40]!r}")
-        headers = {}
-        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-            name, _, value = line.decode("latin-1").partition(":")
-            headers[name.strip().lower()] = value.strip()
-        yield StreamedReply(int(rest[:3]), headers, reader)
+        status = 100
+        while 100 <= status < 200:  # interim replies (100 Continue, 103 Early Hints) come before the reply
+            status_line = await _line(reader)
+            version, _, rest = status_line.decode("latin-1").partition(" ")
+            if not version.startswith("HTTP/") or not rest[:3].isdigit():
+                raise WireError(f"not an HTTP reply: {status_line[:40]!r}")
+            status, headers = int(rest[:3]), {}
+            while (line := await _line(reader)) not in (b"\r\n", b"\n"):
+                name, _, value = line.decode("latin-1").partition(":")
+                headers[name.strip().lower()] = value.strip()
+        yield StreamedReply(status, headers, reader)
     finally:
         writer.close()

@@ -56,6 +56,12 @@ def test_chunked_events_come_back_as_lines_whatever_the_chunks_cut():
     assert b"\r\nAuthorization: Bearer k" in head and json.loads(body) == {"prompt": [1, 2]}
 
 
+def test_interim_replies_are_skipped():
+    reply = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+    status, headers, lines, _ = _roundtrip(reply + b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\ndata: 1")
+    assert (status, headers, lines) == (200, {"content-length": "7"}, ["data: 1"])
+
+
 def test_a_sized_error_body_and_a_body_up_to_the_close_are_read_whole():
     body = json.dumps({"error": {"message": "no"}}).encode()
     status, _, read, _ = _roundtrip(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body), "body")
@@ -69,8 +75,17 @@ def test_what_is_not_http_or_stops_mid_chunk_raises():
         _roundtrip(b"SSH-2.0-OpenSSH\r\n\r\n")
     with pytest.raises(WireError, match="bad chunk size"):
         _roundtrip(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+    with pytest.raises(WireError, match="bad Content-Length"):
+        _roundtrip(b"HTTP/1.1 200 OK\r\nContent-Length: -3\r\n\r\nabc")
+    with pytest.raises(WireError, match="closed the connection before the reply's end"):
+        _roundtrip(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n")
     with pytest.raises(asyncio.IncompleteReadError):
         _roundtrip(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n40\r\ndata: cut")
+
+
+def test_bytes_that_are_not_utf8_do_not_stop_the_lines():
+    status, _, lines, _ = _roundtrip(b"HTTP/1.1 200 OK\r\n\r\ndata: \xff\n\ndata: 2\n")
+    assert lines == ["data: \ufffd", "", "data: 2"]
 
 
 def test_nothing_listening_is_an_os_error():

@@ -14,7 +14,8 @@ interpreter with the engine can be studied on any machine.
     python tools/serve_overhead.py --concurrency 16,64 --host-ms 0,1 --switch-interval-ms 5,0.5
 
 The server (with the paced engine in its thread) and the client (`qat4 bench serve --url`) run in
-separate processes; each row also gives the server process's CPU time per output token. The
+separate processes; each row also gives the server process's CPU time per output token (the
+engine's simulated host time included, ``--host-ms`` a step). The
 client needs about a core of its own at a few thousand tok/s, so on a machine of two cores the
 client and the server contend for them: compare runs of one machine, and study the server's
 share on a machine with cores to spare.
@@ -129,8 +130,9 @@ class PacedEngine:
             admitted.append(seq)
         hold_gil(self.host_s)
         launched = None
-        # a sequence with a token still in flight is not stepped again: one token per step each
-        batch = [s for s in running if s.pending == 0 and len(s.output) < s.max_new_tokens]
+        # every running sequence that still wants tokens, its last one in flight or not (the engine
+        # feeds a row the token the step before it samples, on the device)
+        batch = [s for s in running if len(s.output) + s.pending < s.max_new_tokens]
         if batch:
             busy = step_ms(self.steps, len(batch)) / 1e3 + self.prompt_s * sum(len(s.prompt) for s in admitted)
             self._device_free = max(time.perf_counter(), self._device_free) + busy
@@ -167,10 +169,13 @@ def serve(args: argparse.Namespace) -> None:
                                   http=HeaderTimeoutProtocol)).run()
 
 
-def engine_pace(steps: dict[int, float], concurrency: int, input_len: int, output_len: int, prompt_us: float) -> float:
-    """Output tok/s of the device alone under a closed loop of ``concurrency`` requests: each
-    request's tokens cost a step of ``concurrency`` rows each, its prompt ``prompt_us`` a token."""
-    per_request = output_len * step_ms(steps, concurrency) / 1e3 / concurrency + input_len * prompt_us / 1e6
+def engine_pace(steps: dict[int, float], host_ms: float, concurrency: int, input_len: int, output_len: int,
+                prompt_us: float) -> float:
+    """Output tok/s of the paced engine alone under a closed loop of ``concurrency`` requests: each
+    request's tokens cost a step of ``concurrency`` rows each (the device's time, or the host's
+    where that is longer), its prompt ``prompt_us`` a token."""
+    step_s = max(step_ms(steps, concurrency), host_ms) / 1e3
+    per_request = output_len * step_s / concurrency + input_len * prompt_us / 1e6
     return 1.0 / per_request * output_len
 
 
@@ -256,9 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     for host_ms, switch_ms in settings:
         for level in measure(args, host_ms, switch_ms):
             c = level["concurrency"]
-            pace = engine_pace(steps, c, args.input_len, args.output_len, args.prompt_us)
+            pace = engine_pace(steps, host_ms, c, args.input_len, args.output_len, args.prompt_us)
             served = level["output_tok_s"]
-            tokens = level["requests"] * args.output_len
+            tokens = level["output_tokens"]
             row = {"host_ms": host_ms, "switch_interval_ms": switch_ms, "concurrency": c, "engine_pace_tok_s": round(pace),
                    "served_tok_s": round(served), "share": round(served / pace, 3), "tpot_p50_ms": level["tpot_ms"]["p50"],
                    "server_cpu_us_per_token": round(level["server_cpu_s"] / tokens * 1e6, 1)}

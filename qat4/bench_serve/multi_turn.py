@@ -8,7 +8,6 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-
 from qat4.bench_serve.driver import RequestResult, send_request
 from qat4.bench_serve.stats import summarize_ms
 from qat4.bench_serve.workload import PROMPT_IDS, WORDS, Workload
