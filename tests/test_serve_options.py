@@ -41,3 +41,18 @@ def test_ignore_eos_reaches_generation_params_once_they_have_the_field(monkeypat
 
     monkeypatch.setattr(completions_module, "GenerationParams", ParamsWithIgnoreEos)
     assert Completions(ScriptedEngine(), None, "m").prepare_text(request).params.ignore_eos is True
+
+
+def test_serve_shortens_the_switch_interval_before_it_listens(monkeypatch):
+    """The engine thread waits for the GIL at most half a millisecond of the event loop's work,
+    not Python's default 5 ms (longer than a decode step)."""
+    import sys
+
+    from qat4.cli import main
+    from qat4.commands import serve
+
+    set_to, listening_at = [], []
+    monkeypatch.setattr(sys, "setswitchinterval", set_to.append)  # the test process keeps its own
+    monkeypatch.setattr(serve._Server, "run", lambda self: listening_at.append(list(set_to)))
+    assert main(["serve", "--model", "synthetic:tiny", "--device", "cpu", "--max-ctx", "64"]) == 0
+    assert listening_at == [[serve.SWITCH_INTERVAL_S]] and serve.SWITCH_INTERVAL_S < 0.001

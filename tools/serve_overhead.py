@@ -7,9 +7,9 @@ scheduling, launching, reading back) and a simulated device runs it in ``--step-
 already in flight delays the next, as a CUDA stream does); like the engine, a step launches the
 next batch and then waits, without the GIL, for the previous one's tokens. Prompts cost the device
 ``--prompt-us`` a token. What the engine alone would give under the same load is the device's
-pace; the table puts the server's output tok/s beside it, per level and per Python switch
-interval (``sys.setswitchinterval``, 5 ms by default), so the cost of the server sharing one
-interpreter with the engine can be studied on any machine.
+pace; the table puts the server's output tok/s beside it, per level, engine host time and
+Python switch interval (``sys.setswitchinterval``: Python's default is 5 ms, qat4 serve's 0.5 ms),
+so the cost of the server sharing one interpreter with the engine can be studied on any machine.
 
     python tools/serve_overhead.py --concurrency 16,64 --host-ms 0,1 --switch-interval-ms 5,0.5
 
@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from qat4.commands.model_args import synthetic_tokenizer  # noqa: E402
+from qat4.commands.serve import SWITCH_INTERVAL_S  # noqa: E402
 from qat4.config import PRESETS  # noqa: E402
 from qat4.engine import Engine, SamplingParams, StepOutput  # noqa: E402
 from qat4.engine.sequence import Sequence, State  # noqa: E402
@@ -241,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="ms of Python the engine runs per step, holding the GIL, to compare (default: %(default)s, "
                         "the server's cost alone)")
     p.add_argument("--prompt-us", type=float, default=7.7, help="device µs per prompt token (default: %(default)s)")
-    p.add_argument("--switch-interval-ms", default="5", help="Python switch intervals to compare (default: %(default)s)")
+    p.add_argument("--switch-interval-ms", default=f"{SWITCH_INTERVAL_S * 1e3:g}",
+                   help="Python switch intervals to compare (default: %(default)s, qat4 serve's; Python's own is 5)")
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens per request (default: %(default)s)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences the engine runs at once (default: %(default)s)")

@@ -25,6 +25,11 @@ from qat4.server_control import DEFAULT_PORT, LOOPBACK_HOSTS
 DEFAULT_MAX_QUEUE = 256
 SHUTDOWN_GRACE_S = 5  # on Ctrl-C, answers still streaming after this long are cut (and their generation cancelled)
 DETACH_OPTIONS = ("pid_file", "log_file", "startup_timeout")  # the flags that go with --detach
+# The engine's step loop and the event loop that streams its tokens share one interpreter. A thread
+# that wants the GIL waits up to Python's switch interval (5 ms by default, longer than a decode
+# step) for the other to let go, so the engine could wait most of a step to launch the next one
+# while the event loop wrote out the last step's tokens. tools/serve_overhead.py measures this.
+SWITCH_INTERVAL_S = 0.0005
 # Not passed on to the detached server as flags: serve_command sets these, and the API key goes in its
 # environment, where no process list or pid file shows it.
 SET_APART = ("detach", *DETACH_OPTIONS, "model", "host", "port", "device", "log_level", "api_key")
@@ -199,5 +204,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"qat4 serve: {pinned_tilings_note(*engine.pinned_tilings)}", file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=HeaderTimeoutProtocol,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     _Server(config, app.state.engine_loop.close).run()
     return 0
