@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 from qat4.commands.model_args import synthetic_tokenizer  # noqa: E402
 from qat4.commands.serve import SWITCH_INTERVAL_S  # noqa: E402
-from qat4.config import PRESETS  # noqa: E402
+from qat4.config import E2B, PRESETS  # noqa: E402
 from qat4.engine import Engine, SamplingParams, StepOutput  # noqa: E402
 from qat4.engine.sequence import Sequence, State  # noqa: E402
 from qat4.errors import Qat4Error  # noqa: E402
@@ -84,7 +84,7 @@ class PacedEngine:
         self.tokenizer = synthetic_tokenizer()
         self.config = PRESETS["tiny"]
         self.stop_token_ids = self.config.eos_token_id
-        self.max_ctx, self.max_num_seqs = 4096, max_num_seqs
+        self.max_ctx, self.max_num_seqs = E2B.max_position_embeddings, max_num_seqs
         self.device = torch.device("cpu")
         self.steps, self.host_s, self.prompt_s = steps, host_ms / 1e3, prompt_us / 1e6
         self.filler = self.tokenizer.encode(" more")[-1]
