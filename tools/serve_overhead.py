@@ -108,9 +108,9 @@ class PacedEngine:
         return seq
 
     def abort(self, seq: Sequence) -> None:
-        for queue in (self.scheduler.running, self.scheduler.waiting):
-            if seq in queue:
-                queue.remove(seq)
+        """Finish ``seq``; the next step drops it from the batch (its tokens in flight are not read)."""
+        if seq.state is State.WAITING and seq in self.scheduler.waiting:
+            self.scheduler.waiting.remove(seq)
         seq.state, seq.finish_reason = State.FINISHED, seq.finish_reason or "abort"
 
     @property
@@ -122,6 +122,7 @@ class PacedEngine:
             self.step()
 
     def step(self) -> list[StepOutput]:
+        self.scheduler.running[:] = [s for s in self.scheduler.running if s.state is not State.FINISHED]
         running, waiting = self.scheduler.running, self.scheduler.waiting
         admitted = []
         while waiting and len(running) < self.max_num_seqs:
