@@ -6,6 +6,7 @@ import pytest
 from server_harness import tiny_tokenizer
 
 from qat4.server.chat_prompt import build_chat_prompt
+from qat4.server.completions import TEXT_SLOT, sse, sse_of_text
 from qat4.server.errors import APIError
 from qat4.server.generation import IncrementalDecoder, StopStrings
 from qat4.server.metrics import Metrics
@@ -107,3 +108,16 @@ def test_tool_choice_needs_tools():
     with pytest.raises(APIError) as info:
         build_chat_prompt(_request(tool_choice="required"))
     assert info.value.status == 400 and info.value.param == "tool_choice"
+
+
+@pytest.mark.parametrize("model", ["gemma-4-e2b-it", f"odd{TEXT_SLOT}name", TEXT_SLOT])
+def test_text_chunks_rendered_once_are_the_events_rendered_whole(model):
+    """The spliced event is byte for byte the whole one, for texts JSON must escape; an event with
+    another string that is the slot itself (a model so named) falls back to rendering each whole."""
+    def event(text: str) -> str:
+        return sse({"id": "cmpl-1", "model": model, "choices": [{"index": 0, "text": text, "logprobs": None}]})
+
+    fast = sse_of_text(event)
+    assert (fast is event) == (model == TEXT_SLOT)
+    for text in ["", "plain", 'quote " and \\ backslash', "line\nbreak\ttab\x00nul", "é中🙂", TEXT_SLOT, "</script>"]:
+        assert fast(text) == event(text)

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +53,21 @@ class Prepared:
 def sse(data: dict[str, Any] | str) -> str:
     """One server-sent event."""
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+TEXT_SLOT = "\ufdd0"  # a noncharacter: where sse_of_text puts each string
+
+
+def sse_of_text(event_of: Callable[[str], str]) -> Callable[[str], str]:
+    """``event_of`` (a string to its event) made fast: the event is rendered once around
+    TEXT_SLOT and each string spliced in. A streamed reply's chunks differ only in their text, and
+    rendering the rest again for every token cost a tenth of the server's CPU per token."""
+    rendered = event_of(TEXT_SLOT)
+    slot = json.dumps(TEXT_SLOT, ensure_ascii=False)
+    if rendered.count(slot) != 1:  # another string of the event is the slot itself (a model so named)
+        return event_of
+    before, _, after = rendered.partition(slot)
+    return lambda text: before + json.dumps(text, ensure_ascii=False) + after
 
 
 def _usage(done: Finished) -> dict[str, int]:
@@ -234,6 +249,8 @@ class Completions:
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return sse({**head, "choices": [choice], **extra})
 
+        content_chunk = sse_of_text(lambda text: chunk({"content": text}))  # for chunks without logprobs
+
         parser, calls, invalid_calls, done = ReplyStream(prepared.thinking, prepared.tools), 0, 0, None
         try:
             yield chunk({"role": "assistant", "content": ""})
@@ -250,6 +267,8 @@ class Completions:
                             yield chunk({"tool_calls": [_tool_call(event, calls + invalid_calls)]})
                             calls += event.kind == "tool_call"
                             invalid_calls += event.kind == "invalid_tool_call"
+                        elif event.kind == "content" and not scored:
+                            yield content_chunk(event.text)
                         else:
                             yield chunk({"content" if event.kind == "content" else "reasoning_content": event.text})
                     parsed = []
@@ -310,6 +329,8 @@ class Completions:
             return sse({**head, "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
                         **extra})
 
+        text_chunk = sse_of_text(chunk)
+
         try:
             echoed, prompt_logprobs = await self._echoed(prepared, builder)
             if prepared.echo is not None:
@@ -321,9 +342,10 @@ class Completions:
                         if prepared.include_usage:
                             yield sse({**head, "choices": [], "usage": _usage(item)})
                     else:
-                        logprobs = None if builder is None else builder.of([e.token for e in item.logprobs],
-                                                                           item.logprobs)
-                        yield chunk(item.text, logprobs=logprobs)
+                        if builder is None:
+                            yield text_chunk(item.text)
+                        else:
+                            yield chunk(item.text, logprobs=builder.of([e.token for e in item.logprobs], item.logprobs))
         except Exception as exc:
             yield sse(_error_event(exc))
         yield sse("[DONE]")
