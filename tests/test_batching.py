@@ -316,6 +316,26 @@ def test_sliding_blocks_are_given_back_once_out_of_every_window():
     assert all(a.num_used == 0 for a in pool.allocators.values()) and pool.num_free_slots == 2
 
 
+def test_a_pool_holds_a_slot_exactly_when_growing_it_would_change_nothing():
+    """The scheduler skips growing a decoding sequence that ``holds`` says is covered: that must
+    be exactly the steps on which grow allocates no block and gives no sliding block back."""
+    blocks = pool_blocks(TINY, kv_tokens=64, max_seqs=2, prefill_chunk=40, max_ctx=64, block_size=4)
+    pool = KVPool(TINY, blocks, block_size=4, max_seqs=2, max_ctx=64, device=torch.device("cpu"),
+                  dtype=torch.float32)
+    slot = pool.open_slot()
+    assert not pool.holds(slot, 1, 0)
+    pool.grow(slot, 13, 0)  # a 13-token prompt
+    changes = []
+    for position in range(13, 60):  # decoding: the query at `position` writes it, the window trails
+        before = (pool.held_blocks(slot), [a.num_used for a in pool.allocators.values()])
+        covered = pool.holds(slot, position + 1, position)
+        pool.grow(slot, position + 1, position)
+        changed = (pool.held_blocks(slot), [a.num_used for a in pool.allocators.values()]) != before
+        assert covered != changed, position
+        changes.append(changed)
+    assert 0 < sum(changes) < len(changes)  # new blocks at block boundaries only
+
+
 def test_scheduler_reads_prompts_in_chunks_under_the_budget_and_decodes_the_rest():
     blocks = pool_blocks(TINY, kv_tokens=256, max_seqs=4, prefill_chunk=8, max_ctx=128, block_size=4)
     pool = KVPool(TINY, blocks, block_size=4, max_seqs=4, max_ctx=128, device=torch.device("cpu"),

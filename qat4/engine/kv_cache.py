@@ -298,6 +298,16 @@ class KVPool:
             need[kind] = max(0, n - max(len(held), start))
         return need
 
+    def holds(self, slot: int, end: int, first_query: int) -> bool:
+        """Whether growing the slot to ``end`` for queries from ``first_query`` on would change
+        nothing: it holds the blocks already and has no sliding block to give back. A decoding
+        sequence crosses a block boundary once every block_size steps, so most steps end here."""
+        n = -(-end // self.block_size)
+        held = self._held[slot]
+        if any(len(blocks) < n for blocks in held.values()):
+            return False
+        return SLIDING not in held or self._first_kept(first_query) <= self._live_from[slot]
+
     def can_grow(self, slot: int, end: int, first_query: int) -> bool:
         return all(self.allocators[kind].num_free + self.freeable(slot, kind, first_query) >= n
                    for kind, n in self.blocks_to_grow(slot, end, first_query).items())

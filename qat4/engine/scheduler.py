@@ -154,6 +154,8 @@ class Scheduler:
         short. When only seq itself is left to preempt: a decoding sequence gives its KV back (and
         is read again later), a prompt chunk waits for the next step with its KV kept. False when
         seq does not run this step."""
+        if self.pool.holds(seq.slot, end, seq.num_computed):
+            return True
         while not self.pool.can_grow(seq.slot, end, seq.num_computed):
             victim = self.running[-1]
             if victim is seq and not preempt_self:
