@@ -316,9 +316,10 @@ def test_sliding_blocks_are_given_back_once_out_of_every_window():
     assert all(a.num_used == 0 for a in pool.allocators.values()) and pool.num_free_slots == 2
 
 
-def test_a_pool_holds_a_slot_exactly_when_growing_it_would_change_nothing():
-    """The scheduler skips growing a decoding sequence that ``holds`` says is covered: that must
-    be exactly the steps on which grow allocates no block and gives no sliding block back."""
+def test_a_pool_holds_a_slot_only_when_growing_it_would_change_nothing():
+    """The scheduler skips growing a sequence that ``holds`` says is covered, so ``holds`` may be
+    true only where grow allocates no block and gives no sliding block back; along a decode it
+    is true on exactly those steps."""
     blocks = pool_blocks(TINY, kv_tokens=64, max_seqs=2, prefill_chunk=40, max_ctx=64, block_size=4)
     pool = KVPool(TINY, blocks, block_size=4, max_seqs=2, max_ctx=64, device=torch.device("cpu"),
                   dtype=torch.float32)

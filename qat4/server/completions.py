@@ -329,7 +329,7 @@ class Completions:
             return sse({**head, "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
                         **extra})
 
-        text_chunk = sse_of_text(chunk)
+        text_chunk = sse_of_text(chunk) if builder is None else chunk  # with logprobs each chunk renders whole
 
         try:
             echoed, prompt_logprobs = await self._echoed(prepared, builder)
