@@ -45,7 +45,7 @@ from qat4.config import E2B, PRESETS  # noqa: E402
 from qat4.engine import Engine, SamplingParams, StepOutput  # noqa: E402
 from qat4.engine.sequence import Sequence, State  # noqa: E402
 from qat4.errors import Qat4Error  # noqa: E402
-from qat4.serve_process import free_port  # noqa: E402
+from qat4.serve_process import ServerProcess, free_port  # noqa: E402
 
 
 def parse_steps(text: str) -> dict[int, float]:
@@ -190,48 +190,25 @@ def cpu_seconds(pid: int) -> float:
 def measure(args: argparse.Namespace, host_ms: float, switch_ms: float) -> list[dict]:
     """Start the server at one engine host time and switch interval, run the client at each level, return its rows,
     each with the server process's CPU seconds over the level (its warm-up requests included)."""
-    port = free_port()
+    url = f"http://127.0.0.1:{free_port()}"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    command = [sys.executable, __file__, "--serve", "--port", str(port), "--switch-interval-ms", str(switch_ms),
-               "--step-ms", args.step_ms, "--host-ms", str(host_ms), "--prompt-us", str(args.prompt_us),
+    command = [sys.executable, __file__, "--serve", "--port", url.rpartition(":")[2], "--switch-interval-ms",
+               str(switch_ms), "--step-ms", args.step_ms, "--host-ms", str(host_ms), "--prompt-us", str(args.prompt_us),
                "--max-num-seqs", str(args.max_num_seqs)]
-    server = subprocess.Popen(command, env=env)
-    try:
-        wait_for(f"http://127.0.0.1:{port}", server)
-        levels = []
+    levels = []
+    with ServerProcess(command, url, env=env, startup_timeout_s=60) as server:
         for concurrency in args.concurrency.split(","):
             with tempfile.TemporaryDirectory() as scratch:
                 out = Path(scratch) / "serve.json"
-                client = [sys.executable, "-m", "qat4.cli", "bench", "serve", "--url", f"http://127.0.0.1:{port}",
-                          "--concurrency", concurrency, "--input-len", str(args.input_len),
-                          "--output-len", str(args.output_len), "--json", str(out)]
-                before = cpu_seconds(server.pid)
+                client = [sys.executable, "-m", "qat4.cli", "bench", "serve", "--url", url, "--concurrency", concurrency,
+                          "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--json", str(out)]
+                before = cpu_seconds(server.process.pid)
                 done = subprocess.run(client, capture_output=True, text=True, env=env)
                 if done.returncode != 0:
                     raise SystemExit(f"qat4 bench serve failed: {done.stderr.strip()[-2000:]}")
                 level = json.loads(out.read_text())["levels"][0]
-                levels.append(dict(level, server_cpu_s=cpu_seconds(server.pid) - before))
-        return levels
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-
-
-def wait_for(url: str, server: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    """Return once the server answers /health; raise if it exits or stays silent."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the paced server exited with status {server.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"the paced server did not answer within {timeout_s:g} s")
+                levels.append(dict(level, server_cpu_s=cpu_seconds(server.process.pid) - before))
+    return levels
 
 
 def main(argv: list[str] | None = None) -> int:
