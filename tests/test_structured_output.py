@@ -248,6 +248,44 @@ def test_a_constraint_switched_on_mid_reply_drops_the_token_picked_without_it():
     jsonschema.validate(call["arguments"], BOOKING["function"]["parameters"])
 
 
+def test_a_constrained_row_gets_a_token_from_every_step_beside_free_rows():
+    """A constrained row's pick waits for its mask, not its whole step: beside an unconstrained
+    request it gets a token from every step, as the free row does."""
+    engine = tiny_engine()
+    free = engine.add_request("Person:", max_new_tokens=40, temperature=0, stop_token_ids=[])
+    constrained = engine.add_request("Person:", max_new_tokens=40, temperature=0,
+                                     constraint=engine.json_constraint(PERSON))
+    steps = 0
+    while engine.has_work:
+        running = not constrained.finished
+        served = {out.seq for out in engine.step()}
+        if free in served and running:
+            assert constrained in served
+            steps += 1
+    assert steps == len(constrained.output) == 40
+
+
+def test_a_call_grammar_waiting_for_its_trigger_leaves_its_row_free_beside_masked_rows():
+    """Auto mode, a call made and closed: the grammar waits for the next `<|tool_call>` and the
+    row picks freely again, also in steps whose other rows pick under masks; its reply is the one
+    it writes alone (a stale mask from the call would have steered it)."""
+    def reply(beside: bool) -> list[int]:
+        engine = tiny_engine()
+        first = engine.generate("Book it:", max_new_tokens=1, temperature=0).tokens[0]
+        compiled = grammars_for(engine.tokenizer, engine.stop_token_ids).compiled("ebnf", CallGrammar([BOOKING]).text("open"))
+        seq = engine.add_request("Book it:", max_new_tokens=66, temperature=0, stop_token_ids=[],
+                                 constraint=GrammarConstraint(compiled, trigger=first))  # the call closes at token 58
+        if beside:
+            letters = grammars_for(engine.tokenizer, engine.stop_token_ids).gbnf("root ::= [a-z]+")
+            engine.add_request("Letters:", max_new_tokens=66, temperature=0, stop_token_ids=[], constraint=letters)
+        engine.drain()
+        return seq.output
+
+    alone = reply(beside=False)
+    assert "<tool_call|>" in tiny_tokenizer().decode(alone)[:-10]  # the call closed, free tokens follow
+    assert reply(beside=True) == alone
+
+
 @pytest.mark.parametrize("parallel", [True, False])
 def test_an_opened_call_is_constrained_then_the_reply_is_free_again_or_ends(parallel):
     """Auto mode: free until `<|tool_call>`, the call's grammar until `<tool_call|>`; then free

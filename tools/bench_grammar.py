@@ -15,9 +15,9 @@ SCHEMA (stop tokens on: the reply ends once the grammar completes), then R reque
 prompts unconstrained (stop tokens off, --new tokens each), each case run once untimed first (the
 masked steps' CUDA graphs are captured when first used). A decode step is the time from one read
 back of the rows' tokens to the next, over steps in which no prompt is read and no graph is
-captured: the engine launches an unconstrained step before it reads the one before, but a
-constrained row's next mask needs its last token, so its token takes a launch call and a read-back
-call of `Engine.step`, the host's fill and the device's step one after the other. Reported: decode
+captured: the engine launches an unconstrained step before it reads the one before; a constrained
+row's next mask needs its last token, so a step with one launches its forward, reads the step
+before, fills the masks and then enqueues its pick. Reported: decode
 steps, their median, tokens per second over them, and the overhead of the constrained median over
 the unconstrained one; the synthetic model's words are random, so a constrained reply is whatever
 the grammar lets them be, and it may end earlier (medians per step compare them all the same).
@@ -75,7 +75,7 @@ def fill_us(constraint, tokens: list[int], vocab_size: int) -> list[float]:
 def decode_steps(engine, rows: int) -> tuple[list[float], int, int]:
     """Step ``engine`` until its sequences end -> (seconds of each decode step of all ``rows``
     rows, tokens those steps read back, steps left out for a graph capture). A step runs from one
-    read back to the next (one `Engine.step` call unconstrained, two constrained); it counts when
+    read back to the next (one `Engine.step` call that returns tokens); it counts when
     none of its calls began with a prompt to read or captured a decode graph, and every row was
     still running (a constrained reply may end early, leaving smaller, cheaper steps)."""
     scheduler, graphs = engine.scheduler, engine.runner.graphs

@@ -9,7 +9,12 @@ Python. :meth:`Engine.generate` and :meth:`Engine.stream` are thin loops over th
 request at a time (:mod:`qat4.engine.generation`); :meth:`Engine.logits` reads a prompt alone
 beside the running sequences. A request may carry a grammar (``constraint``,
 :mod:`qat4.engine.sequence`): its rows pick under a token mask that the engine fills on the host
-before each launch (:meth:`qat4.engine.model_runner.ModelRunner.set_allowed`). A request may ask
+(:meth:`qat4.engine.model_runner.ModelRunner.set_allowed`). The mask follows from the token the
+step before is still sampling, so a step with a decoding row whose constraint is active is
+launched with its pick deferred: its forward first, then the step before is read, the masks filled
+and the pick enqueued, while the device runs the forward (a constraint waiting for its trigger
+token leaves its row's pick as it is, and a trigger read back makes the token picked after it
+stale, see :mod:`qat4.engine.sequence`). A request may ask
 for ``logprobs`` (:mod:`qat4.engine.logprobs`): the steps it is in score every row, and
 :meth:`Engine.prompt_logprobs` scores a prompt's own tokens. :meth:`Engine.load` and
 :meth:`Engine.from_packed` build an engine (:mod:`qat4.engine.build`): on CUDA the decode GEMV
@@ -34,7 +39,7 @@ from qat4.engine.generation import Generation, generation_of, tokens_of
 from qat4.engine.kv_cache import KVPool, PoolExhausted
 from qat4.engine.logprobs import TOP_LOGPROBS, TokenLogprobs, read_scores, score, score_buffers
 from qat4.engine.memory import Plan
-from qat4.engine.model_runner import ModelRunner, bitmask_width
+from qat4.engine.model_runner import ModelRunner, PendingPick, StepTokens, bitmask_width
 from qat4.engine.sampler import SamplingParams
 from qat4.engine.scheduler import Scheduler
 from qat4.engine.sequence import Sequence, TokenConstraint
@@ -219,20 +224,23 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
-        """Launch the next batch, then read back the previous step's tokens and return them; a
-        speculating step (:mod:`qat4.engine.speculation`) reads the previous step back first, since
-        its drafts follow the newest tokens.
+        """Launch the next batch, then read back the previous step's tokens and return them (a
+        step with a masked decoding row enqueues its pick after that read, once its masks are
+        filled); a speculating step (:mod:`qat4.engine.speculation`) reads the previous step back
+        first, since its drafts follow the newest tokens.
 
         An exception from a step (a device error) leaves the sequences in an unknown state: abort
         them all (the server does) before stepping again."""
         if self.speculator is not None and self._speculates():
             return self._speculative_step()
         batch = self.scheduler.schedule()
-        launched = self._launch(batch) if batch else None
-        previous, self._in_flight = self._in_flight, launched
+        launched = self._launch(batch, defer_pick=any(s.masked for s in batch.decode)) if batch else None
+        previous, self._in_flight = self._in_flight, None
         if self.speculator is not None:
             self.speculator.idle(batch.decode)
-        return self._collect(previous) if previous is not None else []
+        outputs = self._collect(previous) if previous is not None else []
+        self._in_flight = self._finish_pick(launched) if isinstance(launched, PendingPick) else launched
+        return outputs
 
     def json_constraint(self, schema: dict) -> TokenConstraint:
         """A grammar that makes a reply one compact JSON value matching the JSON Schema ``schema``
@@ -288,29 +296,49 @@ class Engine:
         while self.has_work:
             self.step()
 
-    def _launch(self, batch):
+    def _launch(self, batch, defer_pick: bool = False) -> StepTokens | PendingPick:
+        """Enqueue a batch; with ``defer_pick`` its decode rows' pick waits for :meth:`_finish_pick`
+        (their masks follow from tokens not yet read)."""
         for seq, _ in batch.prefill:
             if seq.new_slot:
                 self.runner.set_sampling(seq.slot, seq.params, seq.seed)
                 seq.new_slot = False
         sampled = [i for i, (seq, n) in enumerate(batch.prefill) if seq.num_computed + n == seq.length and seq.wants_token]
         picking = [*batch.decode, *(batch.prefill[i][0] for i in sampled)]
-        masked = [s for s in picking if s.masked]
-        if masked:
-            bitmasks = torch.empty(len(masked), bitmask_width(self.config.vocab_size), dtype=torch.int32)
-            for row, seq in enumerate(masked):
-                seq.constraint.fill(bitmasks, row)
-            self.runner.set_allowed([s.slot for s in masked], bitmasks)
+        masked = self._write_masks(picking[len(batch.decode) :] if defer_pick else picking)
         launched = self.runner.launch(batch.decode, self.runner.keep_for(batch.decode), batch.prefill, sampled,
-                                      masked=bool(masked), scored=any(s.logprobs is not None for s in picking))
+                                      masked=masked, scored=any(s.logprobs is not None for s in picking),
+                                      defer_pick=defer_pick)
         for seq in batch.decode:
             seq.num_computed += 1
-            seq.pending += 1
+            seq.pending += not defer_pick  # a deferred row's token is sampled once its pick is enqueued
         for seq, n in batch.prefill:
             seq.num_computed += n
         for i in sampled:
             batch.prefill[i][0].pending += 1
         return launched
+
+    def _finish_pick(self, pending: PendingPick) -> StepTokens:
+        """The masks of a deferred step's decode rows, now that their newest tokens are read,
+        then its pick."""
+        live = [s for s in pending.decode if not s.finished]
+        for seq in live:
+            seq.pending += 1
+        self._write_masks(live)
+        return self.runner.finish_pick(pending)
+
+    def _write_masks(self, seqs: list[Sequence]) -> bool:
+        """The allowed tokens of each sequence with a constraint into its slot (every token while
+        the constraint waits for its trigger); whether any of them picks under a mask."""
+        constrained = [s for s in seqs if s.constraint is not None]
+        if not constrained:
+            return False
+        bitmasks = torch.full((len(constrained), bitmask_width(self.config.vocab_size)), -1, dtype=torch.int32)
+        for row, seq in enumerate(constrained):
+            if seq.constraint.active:
+                seq.constraint.fill(bitmasks, row)
+        self.runner.set_allowed([s.slot for s in constrained], bitmasks)
+        return any(s.constraint.active for s in constrained)
 
     def _collect(self, launched) -> list[StepOutput]:
         """The tokens of a launched step, sequence by sequence; a sequence that fed drafts keeps

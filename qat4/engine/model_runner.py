@@ -33,7 +33,14 @@ bitmask (``allowed``, all ones until a grammar-constrained sequence's step write
 :meth:`ModelRunner.set_allowed`). A step with a constrained row runs its *masked* variant (its own
 graphs, keyed by ``masked``): logits for every row, the disallowed tokens of each row at -inf, then
 the per-row sampler, where a greedy row takes the argmax of its masked logits. Steps without one
-keep the fused argmax of greedy rows, so unconstrained decoding runs exactly as before. Likewise a
+keep the fused argmax of greedy rows, so unconstrained decoding runs exactly as before.
+
+A constrained row's mask follows from its newest token, which the step before is still sampling
+when the next is launched. Such a step's decode rows are launched *pick deferred*
+(``defer_pick``): their forward (a graph of sampling shape 0, which keeps the final hidden rows in
+``_hidden``) is enqueued at once, and their masked pick (a graph of q = 0: no rows fed, the pick
+of ``_hidden``) by :meth:`ModelRunner.finish_pick` once the host has read the step before and
+written the masks. The device runs the forward while the host reads, accepts and fills. Likewise a
 step with a row that asks for logprobs runs its *scored* variant (graphs keyed by ``scored`` too,
 independent of ``masked``): logits for every row, and per row the picked token's log-probability
 and the most likely tokens (:mod:`qat4.engine.logprobs`, of the logits before any mask) into
@@ -46,9 +53,9 @@ verifying step the row of the last draft the target agreed with.
 from __future__ import annotations
 
 import functools
-
 import itertools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -130,11 +137,11 @@ class StepTokens:
     """The tokens a launched step samples for each of its sequences (decode rows, then prompt rows
     that finished their prompt), readable once the device has produced them: one per sequence, or
     1 + k for a decoding sequence that fed k drafts (``drafts``, as launched). A scored step also
-    brings back each row's logprobs (``scores``: host buffers of logprobs [N, 1 + K] and ids [N, K])."""
+    brings back each row's logprobs (``host_scores``: host buffers of logprobs [N, 1 + K] and ids [N, K])."""
 
     def __init__(self, seqs: list[Sequence], drafts: list[list[int]], host: torch.Tensor,
-                 event: torch.cuda.Event | None, scores: tuple[torch.Tensor, torch.Tensor] | None = None):
-        self.seqs, self.drafts, self._host, self._event, self._scores = seqs, drafts, host, event, scores
+                 event: torch.cuda.Event | None, host_scores: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.seqs, self.drafts, self.host, self.event, self.host_scores = seqs, drafts, host, event, host_scores
 
     @property
     def verifies(self) -> bool:
@@ -154,18 +161,18 @@ class StepTokens:
         return spans
 
     def read(self) -> list[list[int]]:
-        if self._event is not None:
-            self._event.synchronize()
-        flat = self._host[: self._rows].tolist()
+        if self.event is not None:
+            self.event.synchronize()
+        flat = self.host[: self._rows].tolist()
         return [flat[i : i + n] for i, n in self._spans()]
 
     def logprobs(self, tokens: list[list[int]]) -> list[list[TokenLogprobs] | None]:
         """Once read, per sequence: the TokenLogprobs of its ``tokens`` (as :meth:`read` gave them)
         with as many top tokens as it asks for (``Sequence.logprobs``); None for a sequence that
         asks for none, and for every one of a step that was not scored."""
-        if self._scores is None:
+        if self.host_scores is None:
             return [None] * len(self.seqs)
-        values, ids = (t[: self._rows].tolist() for t in self._scores)
+        values, ids = (t[: self._rows].tolist() for t in self.host_scores)
         return [None if seq.logprobs is None else
                 [read_scores(token, values[i + j], ids[i + j], seq.logprobs) for j, token in enumerate(picked)]
                 for seq, (i, _), picked in zip(self.seqs, self._spans(), tokens)]
@@ -198,6 +205,7 @@ class ModelRunner:
         self._meta = torch.zeros(3, rows, dtype=torch.int64, device=dev)  # ids (-1: on device), positions, slots
         self._cu_q = torch.arange(max_num_seqs + 1, dtype=torch.int64, device=dev)
         self._decoded = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self._hidden = torch.zeros(max_num_seqs, hidden, dtype=model.dtype, device=dev)  # rows awaiting a deferred pick
         self.top = top_width(self.vocab_size)  # most likely tokens of a scored row
         self._scores = score_buffers(rows, self.top, dev)  # decode rows' logprobs [rows, 1 + top], ids [rows, top]
         pinned = dev.type == "cuda"
@@ -205,7 +213,7 @@ class ModelRunner:
         self._host_scores = [score_buffers(rows + max_num_seqs, self.top, torch.device("cpu"), pinned)
                              for _ in range(2)]
         self._turn = 0
-        # (batch size, q, keep, masked, scored)
+        # (batch size, q, keep, masked, scored); q 0: the deferred pick, keep 0: the forward alone
         self.graphs: dict[tuple[int, int, int, bool, bool], torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
         # padded prompt steps: ids, positions, slots [3, T]; for S sequences cu_q [S + 1], their
@@ -275,14 +283,27 @@ class ModelRunner:
 
     def _decode(self, b: int, q: int, keep: int, masked: bool, scored: bool) -> None:
         """The decode rows of ``_meta[:, :b * q]``, q consecutive positions for each of b
-        sequences: forward, pick a token at every row, the tokens into ``_decoded`` (``scored``:
-        their scores into ``_scores``) and, with one row per sequence, into ``last_token`` (what a
-        graph captures)."""
+        sequences: forward, pick a token at every row (:meth:`_pick_rows`); what a graph
+        captures. With keep 0 the forward alone, its hidden rows into ``_hidden`` (q = 1); with
+        q = 0 the pick alone, of the b rows in ``_hidden`` (a deferred pick)."""
+        if q == 0:
+            self._pick_rows(self._hidden[:b], b, 1, keep, masked, scored)
+            return
         ids, positions, slots = self._meta[:, : b * q]
         ids = torch.where(ids >= 0, ids, self.last_token[slots])
         rows = slots if q == 1 else slots[::q].contiguous()
         batch = self._batch(slots, positions, self._cu_q[: b + 1] * q, rows, q, self.max_ctx)
         h = self.model.forward(ids, positions, self.pool, batch)
+        if keep:
+            self._pick_rows(h, b, q, keep, masked, scored)
+        else:
+            self._hidden[:b].copy_(h)
+
+    def _pick_rows(self, h: torch.Tensor, b: int, q: int, keep: int, masked: bool, scored: bool) -> None:
+        """Pick a token at each of the b * q hidden rows h of ``_meta``'s decode rows, the tokens
+        into ``_decoded`` (``scored``: their scores into ``_scores``) and, with one row per
+        sequence, into ``last_token``."""
+        ids, positions, slots = self._meta[:, : b * q]
         tokens = self.pick(h, slots, positions, keep, masked,
                            tuple(t[: b * q] for t in self._scores) if scored else None)
         if q == 1:
@@ -314,11 +335,12 @@ class ModelRunner:
 
     def capture(self, b: int, q: int, keep: int, masked: bool = False, scored: bool = False) -> None:
         """Capture the decode graph of batch size b, q rows per sequence, sampling shape keep,
-        masking or not and scoring or not, if not yet captured: two eager runs first (they compile
-        and tune the kernels), every row on the scratch row."""
+        masking or not and scoring or not (keep 0: the forward alone; q 0: the pick alone, see
+        :meth:`_decode`), if not yet captured: two eager runs first (they compile and tune the
+        kernels), every row on the scratch row."""
         if not self.use_graph or (b, q, keep, masked, scored) in self.graphs:
             return
-        self._meta[:, : b * q] = torch.tensor([[0], [0], [self.pool.scratch_row]], device=self.device)
+        self._meta[:, : b * max(q, 1)] = torch.tensor([[0], [0], [self.pool.scratch_row]], device=self.device)
         graph = capture_graph(lambda: self._decode(b, q, keep, masked, scored), self.device, self._graph_pool)
         self._graph_pool = graph.pool()
         self.graphs[(b, q, keep, masked, scored)] = graph
@@ -330,14 +352,21 @@ class ModelRunner:
         else:
             self._decode(b, q, keep, masked, scored)
 
-    def run_decode(self, seqs: list[Sequence], keep: int, masked: bool = False,
-                   scored: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    def run_decode(self, seqs: list[Sequence], keep: int, masked: bool = False, scored: bool = False,
+                   defer_pick: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Enqueue the decode rows of ``seqs``: each one's newest position, then its drafts (every
         sequence has as many). Returns their tokens [n * (1 + drafts)], sequence by sequence, and
-        with ``scored`` their scores (:func:`qat4.engine.logprobs.score_buffers`, as many rows)."""
+        with ``scored`` their scores (:func:`qat4.engine.logprobs.score_buffers`, as many rows).
+        With ``defer_pick`` (no drafts) only the forward is enqueued, and the tokens are there once
+        :meth:`finish_pick` has enqueued their masked pick."""
         n, b, k = len(seqs), self.padded(len(seqs)), len(seqs[0].drafts)
         q = k + 1
-        self.capture(b, q, keep, masked, scored)  # before the rows go in: a capture runs on the scratch row
+        # captures before the rows go in: a capture runs on the scratch row
+        if defer_pick:
+            self.capture(b, 1, 0)
+            self.capture(b, 0, keep, True, scored)
+        else:
+            self.capture(b, q, keep, masked, scored)
         pad = (b - n) * q
         ids, positions, slots = [], [], []
         for s in seqs:
@@ -346,7 +375,7 @@ class ModelRunner:
             slots += [s.slot] * q
         rows = [ids + [0] * pad, positions + [0] * pad, slots + [self.pool.scratch_row] * pad]
         self._meta[:, : b * q].copy_(to_device(torch.tensor(rows, dtype=torch.int64), self.device))
-        self.replay(b, q, keep, masked, scored)
+        self.replay(b, q, 0 if defer_pick else keep, masked and not defer_pick, scored and not defer_pick)
         return self._decoded[: n * q], tuple(t[: n * q] for t in self._scores) if scored else None
 
     def forward_chunks(self, chunks: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor,
@@ -458,14 +487,17 @@ class ModelRunner:
         return self._chunk_tokens[:n], tuple(b[:n] for b in self._chunk_scores) if scored else None
 
     def launch(self, decode: list[Sequence], decode_keep: int, chunks: list[tuple[Sequence, int]],
-               sampled: list[int], masked: bool = False, scored: bool = False) -> StepTokens:
+               sampled: list[int], masked: bool = False, scored: bool = False,
+               defer_pick: bool = False) -> StepTokens | PendingPick:
         """Enqueue a whole step: decode rows, prompt chunks, the tokens' copy to the host;
         ``masked``: some row picks under its slot's allowed tokens (:meth:`set_allowed`);
-        ``scored``: some row wants logprobs, and every row's scores go to the host too."""
+        ``scored``: some row wants logprobs, and every row's scores go to the host too. With
+        ``defer_pick`` the decode rows' pick waits for :meth:`finish_pick`, which returns the
+        StepTokens."""
         self.pool.flush()
         parts, scores, seqs = [], [], []
         if decode:
-            tokens, decode_scores = self.run_decode(decode, decode_keep, masked, scored)
+            tokens, decode_scores = self.run_decode(decode, decode_keep, masked, scored, defer_pick)
             parts.append(tokens)
             scores.append(decode_scores)
             seqs += decode
@@ -474,21 +506,47 @@ class ModelRunner:
             parts.append(tokens)
             scores.append(chunk_scores)
             seqs += [chunks[i][0] for i in sampled]
-        host = self._host[self._turn]
-        host_scores = self._host_scores[self._turn] if scored else None
+        drafts = [list(s.drafts) for s in decode] + [[] for _ in seqs[len(decode) :]]
+        step = StepTokens(seqs, drafts, self._host[self._turn], None,
+                          self._host_scores[self._turn] if scored else None)
         self._turn ^= 1
-        event = None
-        if seqs:
+        if defer_pick and decode:
+            return PendingPick(step, parts, scores, decode, decode_keep, scored)
+        return self._send(step, parts, scores)
+
+    def finish_pick(self, pending: PendingPick) -> StepTokens:
+        """Enqueue the masked pick of a step launched with ``defer_pick`` (its slots' allowed
+        tokens written since) and the tokens' copy to the host."""
+        self.replay(self.padded(len(pending.decode)), 0, pending.keep, True, pending.scored)
+        return self._send(pending.step, pending.parts, pending.scores)
+
+    def _send(self, step: StepTokens, parts: list[torch.Tensor],
+              scores: list[tuple[torch.Tensor, torch.Tensor] | None]) -> StepTokens:
+        """Enqueue the copy of a step's tokens (``parts``, and their ``scores`` when the step is
+        scored) to its host buffers, and the event its read waits for."""
+        if step.seqs:
             tokens = _cat(parts)
-            host[: tokens.shape[0]].copy_(tokens, non_blocking=host.is_pinned())
-            if host_scores is not None:  # a part without scores has no rows
-                for buffer, part in zip(host_scores, zip(*(s for s in scores if s is not None))):
+            step.host[: tokens.shape[0]].copy_(tokens, non_blocking=step.host.is_pinned())
+            if step.host_scores is not None:  # a part without scores has no rows
+                for buffer, part in zip(step.host_scores, zip(*(s for s in scores if s is not None))):
                     buffer[: tokens.shape[0]].copy_(_cat(list(part)), non_blocking=buffer.is_pinned())
             if self.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
-        drafts = [list(s.drafts) for s in decode] + [[] for _ in seqs[len(decode) :]]
-        return StepTokens(seqs, drafts, host, event, host_scores)
+                step.event = torch.cuda.Event()
+                step.event.record()
+        return step
+
+
+class PendingPick(NamedTuple):
+    """A step launched with ``defer_pick``: its StepTokens, the device tensors of its parts and
+    their scores (the decode rows' still to be picked), its decode rows' sequences, their
+    sampling shape and whether the step is scored."""
+
+    step: StepTokens
+    parts: list[torch.Tensor]
+    scores: list[tuple[torch.Tensor, torch.Tensor] | None]
+    decode: list[Sequence]
+    keep: int
+    scored: bool
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

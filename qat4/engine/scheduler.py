@@ -79,8 +79,8 @@ class Scheduler:
                 continue
             feed = seq.length - seq.num_computed
             if feed == 1:
-                if seq.wants_token and not seq.awaits_readback and self._grow(seq, seq.length + len(seq.drafts),
-                                                                                preempt_self=True):
+                if seq.wants_token and not seq.stale and self._grow(seq, seq.length + len(seq.drafts),
+                                                                      preempt_self=True):
                     batch.decode.append(seq)
             elif feed > 1:
                 n = self._chunk(seq, budget)

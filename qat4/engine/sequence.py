@@ -12,10 +12,11 @@ after the newest token; the step's tokens are read back before the next one is s
 ``num_computed`` then moves past the drafts the target agreed with only.
 
 A sequence with a ``constraint`` (a grammar, :class:`TokenConstraint`) picks each token under the
-mask its tokens so far allow, so while the constraint is active it is not fed again until its
-newest token is read back (``awaits_readback``). A constraint that becomes active at a token read
-back (a tool call opened in a free reply) makes the token already launched after it ``stale``: it
-is dropped when read, and its position fed again under the mask.
+mask its tokens so far allow: while the constraint is active, the engine enqueues the pick of a
+step fed before the newest token is read only once that token is read and the mask filled
+(:mod:`qat4.engine.engine`). A constraint that becomes active at a token read back (a tool call
+opened in a free reply) makes the token already picked after it without the mask ``stale``: it is
+dropped when read, the sequence is not fed until then, and its position is fed again under the mask.
 
 A sequence that asks for ``logprobs`` keeps, for each output token, its log-probability and that
 many most likely tokens (``token_logprobs``, :mod:`qat4.engine.logprobs`).
@@ -128,11 +129,6 @@ class Sequence:
     def masked(self) -> bool:
         """Whether its next token is picked under a constraint's mask."""
         return self.constraint is not None and self.constraint.active
-
-    @property
-    def awaits_readback(self) -> bool:
-        """Whether it must not be fed before its tokens in flight are read: its mask follows from them."""
-        return self.pending > 0 and self.masked
 
     def block_hashes(self, block_size: int, n_tokens: int) -> list[bytes]:
         """Names (:mod:`qat4.engine.prefix`) of the blocks within the first ``n_tokens`` known
