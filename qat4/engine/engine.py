@@ -13,8 +13,8 @@ beside the running sequences. A request may carry a grammar (``constraint``,
 step before is still sampling, so a step with a decoding row whose constraint is active is
 launched with its pick deferred: its forward first, then the step before is read, the masks filled
 and the pick enqueued, while the device runs the forward (a constraint waiting for its trigger
-token leaves its row's pick as it is, and a trigger read back makes the token picked after it
-stale, see :mod:`qat4.engine.sequence`). A request may ask
+token leaves its row's pick as it is; a trigger read back makes the token picked after it without
+the mask stale, see :mod:`qat4.engine.sequence`, unless that pick was deferred). A request may ask
 for ``logprobs`` (:mod:`qat4.engine.logprobs`): the steps it is in score every row, and
 :meth:`Engine.prompt_logprobs` scores a prompt's own tokens. :meth:`Engine.load` and
 :meth:`Engine.from_packed` build an engine (:mod:`qat4.engine.build`): on CUDA the decode GEMV
@@ -235,7 +235,7 @@ class Engine:
             return self._speculative_step()
         batch = self.scheduler.schedule()
         launched = self._launch(batch, defer_pick=any(s.masked for s in batch.decode)) if batch else None
-        previous, self._in_flight = self._in_flight, None
+        previous, self._in_flight = self._in_flight, None if isinstance(launched, PendingPick) else launched
         if self.speculator is not None:
             self.speculator.idle(batch.decode)
         outputs = self._collect(previous) if previous is not None else []

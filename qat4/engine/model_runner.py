@@ -241,7 +241,8 @@ class ModelRunner:
 
     def set_allowed(self, slots: list[int], bitmasks: torch.Tensor) -> None:
         """The allowed-token bitmasks [len(slots), W] int32 of constrained sequences into their
-        slots (bit j of word i allows token 32 i + j), for the step launched next."""
+        slots (bit j of word i allows token 32 i + j), for the next pick enqueued: a step's, or a deferred
+        one's (:meth:`finish_pick`)."""
         index = to_device(torch.tensor(slots, dtype=torch.int64), self.device)
         self.allowed.index_copy_(0, index, to_device(bitmasks, self.device))
 

@@ -1,7 +1,7 @@
 """Which sequences run in the next step, and with how many tokens each.
 
 First come, first served. Every step, each running sequence that is decoding feeds its newest
-token (a decode row; a constrained one only once its newest token is read back, see
+token (a decode row; one whose token in flight is stale waits until it is read back, see
 :mod:`qat4.engine.sequence`), and its drafts after it when it speculates and the pool has room for them
 without preempting anyone; prompts are read in chunks of at most ``prefill_chunk`` tokens per step,
 over all the sequences reading one, so a long prompt that arrives mid-stream delays the running
