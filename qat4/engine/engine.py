@@ -324,21 +324,24 @@ class Engine:
         live = [s for s in pending.decode if not s.finished]
         for seq in live:
             seq.pending += 1
-        self._write_masks(live)
+        self._write_masks(live, masked_pick=True)
         return self.runner.finish_pick(pending)
 
-    def _write_masks(self, seqs: list[Sequence]) -> bool:
-        """The allowed tokens of each sequence with a constraint into its slot (every token while
-        the constraint waits for its trigger); whether any of them picks under a mask."""
+    def _write_masks(self, seqs: list[Sequence], masked_pick: bool = False) -> bool:
+        """Whether any of ``seqs`` picks under a mask; if so (or if the pick is masked anyway,
+        ``masked_pick``), the allowed tokens of each sequence with a constraint into its slot
+        (every token while the constraint waits for its trigger). An unmasked pick reads no slot,
+        so a step without a masked row writes nothing."""
         constrained = [s for s in seqs if s.constraint is not None]
-        if not constrained:
-            return False
+        masked = any(s.constraint.active for s in constrained)
+        if not constrained or not (masked or masked_pick):
+            return masked
         bitmasks = torch.full((len(constrained), bitmask_width(self.config.vocab_size)), -1, dtype=torch.int32)
         for row, seq in enumerate(constrained):
             if seq.constraint.active:
                 seq.constraint.fill(bitmasks, row)
         self.runner.set_allowed([s.slot for s in constrained], bitmasks)
-        return any(s.constraint.active for s in constrained)
+        return masked
 
     def _collect(self, launched) -> list[StepOutput]:
         """The tokens of a launched step, sequence by sequence; a sequence that fed drafts keeps
