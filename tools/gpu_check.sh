@@ -17,7 +17,7 @@
 #     overhead the server app over a paced engine at the engine's step times, on this host's CPUs (tools/serve_overhead.py)
 #     turns    qat4 bench serve --multi-turn: 1, then 8 conversations of 10 turns over an 8,000-word history
 #     eval     qat4 eval: all 1,319 GSM8K problems and the 400 BFCL simple questions against qat4 serve at 64
-#              clients, with their wall times (data from $EVAL_DATA, default ../shared/data)
+#              clients, with their wall times (data from $EVAL_DATA, default ../shared/data; EVAL_TASKS picks)
 #     spec     qat4 bench speculative: verification cost and speed-up at acceptance 0 .. 0.9, batch 1 and 16
 #     mtp      the same with a synthetic E2B MTP drafter: its drafts' cost, paid in every replayed step
 #     grammar  the decode step with every row constrained by a JSON schema against unconstrained, at 1 and 16 rows
@@ -98,7 +98,7 @@ if want turns; then
     done
 fi
 if want eval; then
-    for task in gsm8k bfcl; do
+    for task in ${EVAL_TASKS:-gsm8k bfcl}; do
         start=$SECONDS
         timeout ${EVAL_TIMEOUT:-1800} python3 -m qat4.cli eval $task "${E2B[@]}" --concurrency ${EVAL_CONCURRENCY:-64} \
             --data "${EVAL_DATA:-../shared/data}" --jsonl "$LOGS/eval_$task.jsonl" --json "$LOGS/eval_$task.json" 2>&1 \
