@@ -153,6 +153,16 @@ def time_decode(engine: Engine, depth: int, new: int, generator: torch.Generator
     return 1 / out.decode_tok_s
 
 
+SMALLEST_DEFAULT_CHUNK = 256  # the engine's prompt chunk is at least this unless set (EngineConfig)
+
+
+def batch_tokens(batch: int, context: int, new: int, prefill_chunk: int) -> int:
+    """The most tokens one of :func:`time_batch`'s `batch` sequences holds: its `context` prompt
+    tokens, `new` timed steps and 4 more, and a step more for every prompt chunk the batch reads
+    (at most `prefill_chunk` tokens a step) while it already decodes."""
+    return context + new + 4 + batch * math.ceil(context / prefill_chunk)
+
+
 @torch.no_grad()
 def time_batch(engine: Engine, batch: int, context: int, new: int, generator: torch.Generator) -> BatchResult:
     """Aggregate decode speed of `batch` sequences decoding together, each holding `context` prompt
@@ -160,8 +170,8 @@ def time_batch(engine: Engine, batch: int, context: int, new: int, generator: to
     graph replays on CUDA) are timed; the decode phase alone, as llama-batched-bench's S_TG. The
     first sequences decode while the later ones read their prompts (a chunk a step), so each may
     generate that many steps more and still be decoding when the timing starts."""
-    reading = batch * math.ceil(context / engine.prefill_chunk)
-    seqs = [engine.add_request(_random_ids(engine, context, generator), new + 4 + reading, temperature=0,
+    reply = batch_tokens(batch, context, new, engine.prefill_chunk) - context
+    seqs = [engine.add_request(_random_ids(engine, context, generator), reply, temperature=0,
                                stop_token_ids=[]) for _ in range(batch)]
     while any(not s.output for s in seqs):
         engine.step()

@@ -33,7 +33,8 @@ def test_bench_command_on_the_cpu(tmp_path):
     plot = tmp_path / "bench.png"
     proc = subprocess.run(
         [sys.executable, "-m", "qat4.cli", "bench", "--model", "synthetic:tiny", "--device", "cpu",
-         "--depths", "0,16", "--new", "2", "--prompt", "16", "--json", str(out), "--plot", str(plot)],
+         "--depths", "0,16", "--new", "2", "--prompt", "16", "--batch", "8", "--batch-context", "16",
+         "--json", str(out), "--plot", str(plot)],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
@@ -41,6 +42,8 @@ def test_bench_command_on_the_cpu(tmp_path):
     report = json.loads(out.read_text())
     assert [d["depth"] for d in report["depths"]] == [0, 16]
     assert all(d["decode_tok_s"] > 0 and 0 < d["roofline_fraction"] for d in report["depths"])
+    # 8 sequences whose prompts are read while the first ones decode still fit the context it sized
+    assert [(b["batch"], b["context"]) for b in report["batches"]] == [(8, 16)]
     assert plot.stat().st_size > 1000
 
 

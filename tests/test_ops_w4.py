@@ -129,6 +129,23 @@ def test_dispatch_follows_qat4_ops_and_the_rows(monkeypatch):
     assert not w4.expands_products(torch.bfloat16, torch.device("cpu"))  # cuBLAS on a GPU with tensor cores only
 
 
+def test_wide_mlp_products_leave_the_batch_kernel_from_wide_gemm_rows(monkeypatch):
+    """Gate/up-shaped W (WIDE_N rows of at most WIDE_K columns) takes the prefill GEMM from
+    WIDE_GEMM_ROWS rows of x; narrower or longer W, and the output layer, stay on the batch kernel."""
+    from qat4.ops.w4 import dispatch as w4
+
+    monkeypatch.setenv("QAT4_OPS", "triton")
+    words = lambda n, k: torch.empty(n, k // 8, dtype=torch.int32)  # noqa: E731
+    x = lambda m, k: torch.empty(m, k)  # noqa: E731
+    wide, short, long_k = words(w4.WIDE_N, 64), words(w4.WIDE_N - 1, 64), words(w4.WIDE_N, w4.WIDE_K + 32)
+    assert w4._kernel(x(w4.WIDE_GEMM_ROWS - 1, 64), wide) == "batch"
+    assert w4._kernel(x(w4.WIDE_GEMM_ROWS, 64), wide) == "gemm"
+    assert w4._kernel(x(w4.BATCH_ROWS, 64), wide) == "gemm"
+    assert w4._kernel(x(w4.WIDE_GEMM_ROWS, 64), short) == "batch"
+    assert w4._kernel(x(w4.WIDE_GEMM_ROWS, w4.WIDE_K + 32), long_k) == "batch"
+    assert w4._kernel(x(w4.BATCH_ROWS, 64)) == "batch"  # the output layer
+
+
 def test_prefill_precision_choice(monkeypatch):
     x = torch.randn(64, 32, dtype=torch.bfloat16)
     monkeypatch.delenv("QAT4_PREFILL_FP32", raising=False)

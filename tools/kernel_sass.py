@@ -27,10 +27,11 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from qat4.ops.w4.batch import _batch_kernel  # noqa: E402
+from qat4.ops.w4.batch_tiling import _TILES  # noqa: E402
 
 ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "out_ptr", "idx_ptr", "u_ptr", "part_ptr", "lock_ptr", "N", "G", "stride_xm",
            "stride_om", "stride_um")
-TABLE_TILES = ((16, 64, 8, 4), (16, 128, 4, 8), (32, 128, 4, 8), (64, 128, 4, 8), (64, 256, 4, 16), (128, 128, 4, 8))
+TABLE_TILES = tuple(dict.fromkeys((bm, bn, bg, warps) for bm, _, (bn, bg, warps, *_), _ in _TILES))  # (BM, BN, BG, warps)
 
 
 def compile_tile(tile, one_dot: bool, x_dtype: str, arch: int, prefetch: int = 0, stages: int = 1):

@@ -226,9 +226,11 @@ def run(args: argparse.Namespace) -> int:
     bench.progress(f"loading {args.model}")
     packed = load_packed_for_bench(args.model, device, args.seed)
     cfg = packed.config
-    longest = max(max(depths) + bench.decode_tokens(args.new), args.prompt + 1, args.batch_context + args.new + 8)
+    chunk = args.prefill_chunk or bench.SMALLEST_DEFAULT_CHUNK
+    batch_seq = max((bench.batch_tokens(b, args.batch_context, args.new, chunk) for b in batches), default=0)
+    longest = max(max(depths) + bench.decode_tokens(args.new), args.prompt + 1, batch_seq)
     max_ctx = args.max_ctx or min(cfg.max_position_embeddings, longest)
-    kv_tokens = max(max_ctx, max(batches, default=1) * (args.batch_context + args.new + 8))
+    kv_tokens = max(max_ctx, max(batches, default=1) * batch_seq)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     engine = Engine.from_packed(packed, device, max_ctx=max_ctx, prefill_chunk=args.prefill_chunk,

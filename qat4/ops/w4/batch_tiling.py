@@ -26,13 +26,16 @@ BATCH_PARTIALS = 1 << 22  # split-K fp32 partial sums per device (16 MiB)
 # once. Loads in the unpacking step (PREFETCH=0, num_stages=1, see :mod:`qat4.ops.w4.batch`). The
 # last field is the registers per thread of Triton 3.6's sm_90a code (no spills), which sets how
 # many programs an SM holds (:func:`_programs_per_sm`): 3, 4, 3, 2, 2, 1, 1; BLOCK_G = 8 costs
-# 130-173 registers, and up to 255 with more than 16 words per thread.
+# 130-210 registers, and up to 255 with more than 16 words per thread. At 64 rows the 64-wide tile
+# took less time than the 128-wide one at every shape of E2B narrower than 8,192 rows, up to 43 %
+# less (`tools/bench_w4.py --rows 64 --batch-config`, BENCHMARKS.md); wider W there goes to the
+# prefill GEMM (:mod:`qat4.ops.w4.dispatch`), all but the output layer.
 _TILES = (
     (16, 0, (64, 8, 4, 1, 0), 130),
     (16, 8192, (128, 4, 8, 1, 0), 64),
     (32, 0, (64, 8, 4, 1, 0), 157),
     (32, 8192, (128, 4, 8, 1, 0), 89),
-    (64, 0, (128, 4, 8, 1, 0), 113),
+    (64, 0, (64, 8, 4, 1, 0), 210),
     (64, 8192, (256, 4, 16, 1, 0), 100),
     (128, 0, (128, 4, 8, 1, 0), 190),
 )

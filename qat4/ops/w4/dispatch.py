@@ -10,7 +10,11 @@
   when a scratch that holds W is reserved (the model's load does, where its memory plan has room),
   W expanded into it and multiplied by cuBLAS (:mod:`qat4.ops.w4.expanded`): prompt chunks, and
   steps that mix them with decoding rows;
-- the prefill GEMM (:mod:`qat4.ops.w4.gemm`) beyond BATCH_ROWS otherwise.
+- the prefill GEMM (:mod:`qat4.ops.w4.gemm`) beyond BATCH_ROWS otherwise, and from WIDE_GEMM_ROWS
+  rows for a wide, short W (at least WIDE_N rows of at most WIDE_K columns: the MLP's gate/up),
+  where its pipelined tiles beat the batch kernel's (at 64 rows on an H200: 24,576 x 1,536 in 22.8
+  against 35.0 µs, 12,288 x 1,536 in 18.6 against 24.3); never the output layer, whose fp32
+  logits and argmax the batch kernel writes.
 
 The layers that can run the GEMV take ``tilings``, the calling model's
 :class:`~qat4.ops.w4.tiling.MatvecTilings`: the GEMV launches on the tilings pinned there and
@@ -19,8 +23,8 @@ directly, as the tests and ``tools/bench_w4.py`` do) the GEMV takes the autotune
 records nothing. The output layer's GEMV launches on a fixed tiling and takes none.
 
 The boundaries come from timing the kernels at E2B's shapes on an H200
-(``tools/bench_w4.py --rows R``, BENCHMARKS.md); ``QAT4_GEMV_ROWS=N`` and ``QAT4_EXPAND_ROWS=N``
-move them (read when this module is imported), e.g. to time a step both ways.
+(``tools/bench_w4.py --rows R``, BENCHMARKS.md); ``QAT4_GEMV_ROWS=N``, ``QAT4_EXPAND_ROWS=N`` and
+``QAT4_WIDE_GEMM_ROWS=N`` move them (read when this module is imported), e.g. to time a step both ways.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from qat4.ops.w4.tiling import MatvecTilings
 
 GEMV_ROWS = int(os.environ.get("QAT4_GEMV_ROWS", "2"))  # the GEMV up to this many rows of x
 BATCH_ROWS = 128  # the decode-batch kernel up to this many; the prefill GEMM beyond
+WIDE_GEMM_ROWS = int(os.environ.get("QAT4_WIDE_GEMM_ROWS", "33"))  # a wide W's product on the GEMM from this many
+WIDE_N, WIDE_K = 8192, 2048  # a wide W: at least WIDE_N rows of at most WIDE_K columns
 EXPAND_ROWS = int(os.environ.get("QAT4_EXPAND_ROWS", str(BATCH_ROWS + 1)))  # the expanded product from this many
 
 
@@ -62,7 +68,8 @@ def _kernel(x: torch.Tensor, packed: torch.Tensor | None = None) -> str:
     if (packed is not None and m >= EXPAND_ROWS and _expandable(x.dtype, x.device)
             and has_scratch(x.device, x.dtype, packed.numel() * 8)):
         return "expanded"
-    return "batch" if m <= BATCH_ROWS else "gemm"
+    wide = packed is not None and packed.shape[0] >= WIDE_N and packed.shape[1] * 8 <= WIDE_K
+    return "batch" if m <= BATCH_ROWS and not (wide and m >= WIDE_GEMM_ROWS) else "gemm"
 
 
 def expands_products(dtype: torch.dtype, device: torch.device) -> bool:
