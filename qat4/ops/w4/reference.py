@@ -61,10 +61,10 @@ def _reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, soft
     xf[:m] = x.float()
     for r0, w in _dequantized_row_chunks(packed, scales):
         for m0 in range(0, m, _REFERENCE_ROWS):
-            z = xf[m0 : m0 + _REFERENCE_ROWS] @ w.T
+            z = (xf[m0 : m0 + _REFERENCE_ROWS] @ w.T)[: m - m0]  # the padding rows go no further
             if softcap is not None:
-                z = softcap * torch.tanh(z / softcap)
-            out[m0 : m0 + _REFERENCE_ROWS, r0 : r0 + w.shape[0]] = z[: m - m0].to(dtype)
+                z = z.div_(softcap).tanh_().mul_(softcap)
+            out[m0 : m0 + _REFERENCE_ROWS, r0 : r0 + w.shape[0]] = z
     return out
 
 
