@@ -135,8 +135,9 @@ def test_wide_mlp_products_leave_the_batch_kernel_from_wide_gemm_rows(monkeypatc
     from qat4.ops.w4 import dispatch as w4
 
     monkeypatch.setenv("QAT4_OPS", "triton")
+    monkeypatch.setattr(w4, "_expandable", lambda dtype, device: dtype != torch.float32)  # as on a GPU with tensor cores
     words = lambda n, k: torch.empty(n, k // 8, dtype=torch.int32)  # noqa: E731
-    x = lambda m, k: torch.empty(m, k)  # noqa: E731
+    x = lambda m, k: torch.empty(m, k, dtype=torch.bfloat16)  # noqa: E731
     wide, short, long_k = words(w4.WIDE_N, 64), words(w4.WIDE_N - 1, 64), words(w4.WIDE_N, w4.WIDE_K + 32)
     assert w4._kernel(x(w4.WIDE_GEMM_ROWS - 1, 64), wide) == "batch"
     assert w4._kernel(x(w4.WIDE_GEMM_ROWS, 64), wide) == "gemm"
@@ -144,6 +145,7 @@ def test_wide_mlp_products_leave_the_batch_kernel_from_wide_gemm_rows(monkeypatc
     assert w4._kernel(x(w4.WIDE_GEMM_ROWS, 64), short) == "batch"
     assert w4._kernel(x(w4.WIDE_GEMM_ROWS, w4.WIDE_K + 32), long_k) == "batch"
     assert w4._kernel(x(w4.BATCH_ROWS, 64)) == "batch"  # the output layer
+    assert w4._kernel(x(w4.WIDE_GEMM_ROWS, 64).float(), wide) == "batch"  # no tensor cores for it
 
 
 def test_prefill_precision_choice(monkeypatch):

@@ -11,10 +11,10 @@
   W expanded into it and multiplied by cuBLAS (:mod:`qat4.ops.w4.expanded`): prompt chunks, and
   steps that mix them with decoding rows;
 - the prefill GEMM (:mod:`qat4.ops.w4.gemm`) beyond BATCH_ROWS otherwise, and from WIDE_GEMM_ROWS
-  rows for a wide, short W (at least WIDE_N rows of at most WIDE_K columns: the MLP's gate/up),
-  where its pipelined tiles beat the batch kernel's (at 64 rows on an H200: 24,576 x 1,536 in 22.8
-  against 35.0 µs, 12,288 x 1,536 in 18.6 against 24.3); never the output layer, whose fp32
-  logits and argmax the batch kernel writes.
+  rows of 16-bit x on tensor cores for a wide, short W (at least WIDE_N rows of at most WIDE_K
+  columns: the MLP's gate/up), where its pipelined tiles beat the batch kernel's (at 64 rows on an
+  H200: 24,576 x 1,536 in 22.8 against 35.0 µs, 12,288 x 1,536 in 18.6 against 24.3); never the
+  output layer, whose fp32 logits and argmax the batch kernel writes.
 
 The layers that can run the GEMV take ``tilings``, the calling model's
 :class:`~qat4.ops.w4.tiling.MatvecTilings`: the GEMV launches on the tilings pinned there and
@@ -68,7 +68,8 @@ def _kernel(x: torch.Tensor, packed: torch.Tensor | None = None) -> str:
     if (packed is not None and m >= EXPAND_ROWS and _expandable(x.dtype, x.device)
             and has_scratch(x.device, x.dtype, packed.numel() * 8)):
         return "expanded"
-    wide = packed is not None and packed.shape[0] >= WIDE_N and packed.shape[1] * 8 <= WIDE_K
+    wide = (packed is not None and packed.shape[0] >= WIDE_N and packed.shape[1] * 8 <= WIDE_K
+            and _expandable(x.dtype, x.device))
     return "batch" if m <= BATCH_ROWS and not (wide and m >= WIDE_GEMM_ROWS) else "gemm"
 
 
