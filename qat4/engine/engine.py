@@ -160,12 +160,15 @@ class Engine:
                 ids.pop(0)
             ids = [bos, *ids]
         else:
-            ids = [int(t) for t in prompt]
+            ids = list(prompt)
+            if set(map(type, ids)) != {int}:  # a set of types is built faster than a list of the same ints
+                ids = [int(t) for t in ids]
         if not ids:
             raise Qat4Error("the prompt is empty")
-        bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
+        vocab = self.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise Qat4Error(f"prompt token id {bad} is outside the vocabulary of {self.config.vocab_size}")
+            raise Qat4Error(f"prompt token id {bad} is outside the vocabulary of {vocab}")
         return ids
 
     def sampling_params(self, temperature: float | None = None, top_k: int | None = None,
