@@ -59,9 +59,10 @@ class BlockAllocator:
 
     A cached block is one whose positions all hold the K/V of known tokens: :meth:`register`
     names it by the hash of the tokens from position 0 to its end (:mod:`qat4.engine.prefix`),
-    :meth:`lookup` finds it again, :meth:`acquire` takes another reference. When its last holder
-    lets go (:meth:`release`) a named block is cached instead of freed; :meth:`allocate` hands
-    out free blocks first and takes the oldest cached ones only when none are left.
+    :meth:`lookup` finds it again (:meth:`lookup_run` a chain of them), :meth:`acquire` takes
+    another reference. When its last holder lets go (:meth:`release`) a named block is cached
+    instead of freed; :meth:`allocate` hands out free blocks first and takes the oldest cached ones
+    only when none are left.
     """
 
     def __init__(self, num_blocks: int):
@@ -125,11 +126,22 @@ class BlockAllocator:
     def lookup(self, key: bytes) -> int | None:
         return self._block_of.get(key)
 
-    def acquire(self, block: int) -> None:
-        """Take a reference to a named block (out of the cache if nobody held it)."""
-        if not self._refs[block]:
-            del self._cached[block]
-        self._refs[block] += 1
+    def lookup_run(self, keys: list[bytes]) -> list[int]:
+        """The blocks ``keys`` name, from the first key up to the first that names none."""
+        blocks = []
+        for key in keys:
+            block = self._block_of.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def acquire(self, blocks: list[int]) -> None:
+        """Take a reference to each of these named blocks (out of the cache where nobody held it)."""
+        for block in blocks:
+            if not self._refs[block]:
+                del self._cached[block]
+            self._refs[block] += 1
 
 
 def sliding_blocks_per_seq(window: int, block_size: int, max_ctx: int) -> int:
@@ -263,21 +275,19 @@ class KVPool:
         bs = self.block_size
         restart = min(len(hashes), (limit - 1) // bs)
         if FULL in self.allocators:
-            full = self.allocators[FULL]
-            restart = next((i for i in range(restart) if full.lookup(hashes[i]) is None), restart)
+            restart = len(self.allocators[FULL].lookup_run(hashes[:restart]))
         if SLIDING in self.allocators:
             sliding = self.allocators[SLIDING]
             while restart and any(sliding.lookup(hashes[i]) is None for i in range(self._first_kept(restart * bs), restart)):
                 restart -= 1
         for kind, alloc in self.allocators.items():
             start = self._first_kept(restart * bs) if kind == SLIDING else 0
+            blocks = alloc.lookup_run(hashes[start:restart])  # every one is named: the runs above reach restart
+            alloc.acquire(blocks)
             held = self._held[slot][kind]
             held.extend([0] * start)
-            for i in range(start, restart):
-                block = alloc.lookup(hashes[i])
-                alloc.acquire(block)
-                held.append(block)
-                self._updates[kind].append((slot, i, block))
+            held.extend(blocks)
+            self._updates[kind].extend((slot, i, block) for i, block in enumerate(blocks, start))
             if kind == SLIDING:
                 self._live_from[slot] = start
         return restart * bs
