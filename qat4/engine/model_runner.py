@@ -278,7 +278,10 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
         """Per-row sampling of logits [R, V] with the parameters of ``slots`` [R], drawing for the
-        tokens after ``positions`` [R]."""
+        tokens after ``positions`` [R]. With keep 1 every row is greedy (:func:`keep_shape`): the
+        argmax alone, without the draws and the sampler's launches (a masked or scored greedy pick)."""
+        if keep == 1:
+            return torch.argmax(logits, dim=-1)
         draws = uniforms(self.seed[slots], positions + 1)
         return sample(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], draws, keep)
 

@@ -103,13 +103,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 
     temperature [R] fp32 (0: greedy, the first maximum), top_k [R] int64 (kept tokens, <= keep;
     the vocabulary for all), top_p [R] fp32 in (0, 1], uniform [R] float64 in [0, 1). ``keep`` is
-    the static number of candidates (>= every row's top_k); 1 only when every row is greedy
-    (:func:`keep_shape`), which is then the argmax alone, without the draw's twenty-odd launches
-    (a masked or scored greedy step's pick).
+    the static number of candidates (>= every row's top_k).
     """
     greedy = torch.argmax(logits, dim=-1)
-    if keep == 1:
-        return greedy
     if keep >= logits.shape[-1]:
         values, ids = torch.sort(logits, dim=-1, descending=True)
     else:
