@@ -25,3 +25,13 @@ def test_a_chat_turn_reads_only_its_new_tokens_and_every_stage_is_timed(tmp_path
             "engine to first token"} <= set(stages)
     assert all(ms["chat"] > 0 for ms in stages.values())
     assert stages["chat template"]["new_only"] is None  # a completion of ids has no template to render
+
+
+def test_a_later_turn_finds_every_turn_before_it_in_the_prompt_cache(tmp_path):
+    out = tmp_path / "turn.json"
+    assert chat_turn_overhead.main(["--history", "300", "--turn", "40", "--at-turn", "4", "--repeat", "2",
+                                    "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    # three turns before it: 300 + 2 * 40 words and three replies of 64 tokens, all cached
+    assert result["cached_tokens"] > 300 + 2 * 40 + 3 * 64
+    assert result["new_tokens"] < 40 + 32

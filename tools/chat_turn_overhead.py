@@ -5,11 +5,12 @@ it, but the server still parses, validates, renders, tokenizes and hashes all of
 This tool serves the real app in-process (uvicorn in a thread, as `qat4 serve` runs it) over the
 real engine on the CPU whose model is replaced by one that answers at once, so every step the
 engine takes is its host work alone: scheduling, the prompt cache's block hashes and lookups,
-reading back. A conversation of ``--history`` random words (as `qat4 bench serve --multi-turn`
-builds them) is read once; then each repetition sends, interleaved:
+reading back. A conversation of random words (as `qat4 bench serve --multi-turn`
+builds them: a first message of ``--history`` words, then ``--turn`` words a turn, each answered)
+is read up to turn ``--at-turn``; then each repetition sends, interleaved:
 
-- ``chat``: turn 2 of that conversation (the history, the reply to it and ``--turn`` new words,
-  different each time) as a streamed chat completion;
+- ``chat``: the next turn of that conversation (the history and ``--turn`` new words, different
+  each time) as a streamed chat completion;
 - ``new only``: a streamed text completion of as many random token ids as the chat turn read
   beyond its cached tokens,
 
@@ -23,6 +24,7 @@ the prompt's ``block hashes`` and the prompt cache's ``attach_prefix``, and ``en
 token``: add_request and the steps to the first token read back, the three before included.
 
     python tools/chat_turn_overhead.py --history 8000 --turn 64 --repeat 200
+    python tools/chat_turn_overhead.py --history 8000 --turn 64 --at-turn 10
 """
 
 from __future__ import annotations
@@ -173,12 +175,12 @@ def completion_body(ids: list[int]) -> bytes:
 class Requests:
     """The timed requests: chat turns after the cached history, and prompts of their new tokens."""
 
-    history: list[dict[str, str]]  # system, user (the long message), assistant (its reply)
+    history: list[dict[str, str]]  # system, then user and assistant messages
     rng: random.Random
     turn_words: int
 
     def chat(self) -> bytes:
-        """Turn 2: the history and a new message of random words."""
+        """The next turn: the history and a new message of random words."""
         return chat_body([*self.history, {"role": "user", "content": words(self.rng, self.turn_words)}])
 
     def new_only(self, n: int) -> bytes:
@@ -186,12 +188,17 @@ class Requests:
         return completion_body(self.rng.choices(PROMPT_IDS, k=n))
 
 
-def start_conversation(port: int, history_words: int, turn_words: int, seed: int) -> Requests:
-    """Turn 1 of a conversation read once (the prompt cache keeps it), and its requests to come."""
+def start_conversation(port: int, history_words: int, turn: int, turn_words: int, seed: int) -> Requests:
+    """The turns of a conversation before ``turn``, sent one by one (the prompt cache keeps them):
+    a first message of ``history_words`` words, then messages of ``turn_words``, each answered with
+    64 tokens; and the requests of ``turn`` to come."""
     rng = random.Random(seed)
-    messages = [{"role": "system", "content": words(rng, 8)}, {"role": "user", "content": words(rng, history_words)}]
-    reply = post_streamed(port, "/v1/chat/completions", chat_body(messages, 64))
-    return Requests([*messages, {"role": "assistant", "content": reply.text}], rng, turn_words)
+    messages = [{"role": "system", "content": words(rng, 8)}]
+    for i in range(turn - 1):
+        messages.append({"role": "user", "content": words(rng, turn_words if i else history_words)})
+        reply = post_streamed(port, "/v1/chat/completions", chat_body(messages, 64))
+        messages.append({"role": "assistant", "content": reply.text})
+    return Requests(messages, rng, turn_words)
 
 
 def median_ms(seconds: list[float]) -> float:
@@ -291,9 +298,9 @@ def _admission(engine: Engine, ids: list[int], repeat: int) -> dict[str, float]:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Serve and time, then time the stages of one chat turn and of its new tokens alone."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    engine = instant_engine(max_ctx=2 * args.history + 4096)
+    engine = instant_engine(max_ctx=2 * (args.history + args.at_turn * (args.turn + 64)) + 4096)
     with serving(create_app(engine, max_queue=8)) as port:
-        requests = start_conversation(port, args.history, args.turn, args.seed)
+        requests = start_conversation(port, args.history, args.at_turn, args.turn, args.seed)
         served = time_requests(port, requests, args.repeat)
     chat = stages(engine, requests.chat(), ChatCompletionRequest, served["cached_tokens"], args.repeat)
     new = stages(engine, requests.new_only(served["new_tokens"]), CompletionRequest, 0, args.repeat)
@@ -317,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--history", type=int, default=8000,
                    help="words of the conversation's first message (default: %(default)s)")
+    p.add_argument("--at-turn", type=int, default=2,
+                   help="the turn of the conversation timed, after the first of --history words and the "
+                        "others of --turn words, each answered (default: %(default)s)")
     p.add_argument("--turn", type=int, default=64, help="words of each timed turn's new message (default: %(default)s)")
     p.add_argument("--repeat", type=int, default=100, help="timed requests of each kind (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="of the random words and ids (default: %(default)s)")
