@@ -13,10 +13,11 @@ by `decode(..., skip_special=True)`; user-defined ones (`<|tool_call>`, `<|"|>`,
 are never dropped, because the reply parser reads them.
 
 Encoding splits the text at its added tokens (`<|turn>`, `<turn|>`, ...), as the BPE does anyway,
-and keeps the ids of long pieces in a small cache: a chat sends its whole history again every
-turn, and the BPE of one 8,000-word message takes about 20 ms, longer than reading the turn's new
-tokens on a GPU. A piece's ids do not depend on its neighbours (the BPE never merges across an
-added token), so the cached ids are the ones a whole encode gives.
+and keeps the ids of all but the shortest pieces in a small cache: a chat sends its whole history
+again every turn, and the BPE of one 8,000-word message takes about 20 ms, longer than reading the
+turn's new tokens on a GPU; a message of a few sentences takes 0.1-0.2 ms, so ten turns of them
+cost as much again (on the 2-core build host). A piece's ids do not depend on its neighbours (the
+BPE never merges across an added token), so the cached ids are the ones a whole encode gives.
 
 GGUF metadata is read with qat4's own GGUF reader (the `gguf` package's GGUFReader takes about a
 minute for this vocabulary); both sources are cached in-process per file, since building the
@@ -56,7 +57,7 @@ _ADDED_TYPES = (_GGUF_UNKNOWN, _GGUF_CONTROL, _GGUF_USER_DEFINED)
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _FileKey = tuple[str, int, int]
-CACHED_PIECE_CHARS = 1024  # pieces at least this long are kept by the encode cache
+CACHED_PIECE_CHARS = 64  # pieces at least this long are kept by the encode cache (shorter ones take µs to encode)
 CACHE_CHARS = 4 << 20  # characters of pieces the encode cache keeps, least recently used out first
 
 
