@@ -17,7 +17,7 @@ from qat4.cli import main
 from qat4.config import TINY
 from qat4.engine import Engine
 from qat4.errors import Qat4Error
-from qat4.engine.sampler import SamplingParams, keep_shape, sample, uniforms
+from qat4.engine.sampler import SamplingParams, keep_shape, sample
 from qat4.model import dtype_round
 
 PROMPT = "The capital of France is"
@@ -207,17 +207,6 @@ def test_rows_sample_with_their_own_parameters():
         assert int(batch[r]) == int(alone[0])
     assert int(batch[0]) == int(logits[0].argmax())
     assert int(batch[1]) in logits[1].topk(8).indices.tolist()
-
-
-def test_uniforms_are_a_function_of_seed_and_position():
-    seeds = torch.tensor([7, 7, 8, (1 << 62) + 7])
-    positions = torch.tensor([100, 101, 100, 100])
-    u = uniforms(seeds, positions)
-    assert u.dtype == torch.float64 and bool(((u >= 0) & (u < 1)).all())
-    assert len(set(u.tolist())) == 4  # the seed's high half and the position both count
-    assert torch.equal(uniforms(seeds[:1], positions[:1]), u[:1])
-    many = uniforms(torch.full((20_000,), 3), torch.arange(20_000))
-    assert abs(float(many.mean()) - 0.5) < 0.01 and abs(float((many < 0.1).double().mean()) - 0.1) < 0.01
 
 
 # ---- command line ----------------------------------------------------------------------------

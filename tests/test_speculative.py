@@ -19,7 +19,8 @@ from qat4.checkpoint.synth import synthetic_model
 from qat4.config import TINY
 from qat4.engine import Engine
 from qat4.engine.kv_cache import sliding_blocks_per_seq
-from qat4.engine.sampler import SamplingParams, sample, uniforms
+from qat4.engine.sampler import SamplingParams, sample
+from qat4.ops.draws import uniforms
 from qat4.engine.sequence import Sequence, State
 from qat4.engine.speculation import PROBE_EVERY, PROBE_TOKENS, SPEC_MAX_BATCH, PromptLookup, Speculator, accepted_count
 from qat4.errors import Qat4Error

@@ -61,10 +61,11 @@ import torch
 
 from qat4.engine.kv_cache import KVPool, to_device
 from qat4.engine.logprobs import TokenLogprobs, read_scores, score, score_buffers, top_width
-from qat4.engine.sampler import SamplingParams, keep_shape, mask_logits, sample, uniforms
+from qat4.engine.sampler import SamplingParams, keep_shape, mask_logits, sample
 from qat4.engine.sequence import Sequence
 from qat4.model import ForwardBatch, Gemma4
 from qat4.ops.attention import PagedSeqs
+from qat4.ops.draws import uniforms
 
 
 CHUNK_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)  # padded sizes of prompt steps

@@ -7,7 +7,7 @@ the cumulative distribution at a uniform number. A grammar-constrained row first
 disallowed tokens set to -inf (:func:`mask_logits`, from a bitmask per row). Only the most tokens any row keeps is a shape
 (``keep``: a power of two, or the whole vocabulary), so graphs are captured per ``keep``.
 
-The uniform number of a row is a hash of (seed, position of the token drawn) (:func:`uniforms`):
+The uniform number of a row is a hash of (seed, position of the token drawn) (:mod:`qat4.ops.draws`):
 a request with a seed draws the same numbers whoever shares its batch, eagerly or replayed, on any
 device. The cumulative sums run over integer weights (probabilities in units of 2^-40): a GPU
 prefix scan adds floats in an order that can change from run to run, and over a nucleus of
@@ -24,7 +24,6 @@ import torch
 from qat4.errors import Qat4Error
 
 _ONE = float(1 << 40)  # probability 1 as an integer weight (exact: a power of two)
-_MASK32 = 0xFFFFFFFF
 MIN_KEEP = 64  # the smallest top-k shape a graph is captured for
 
 
@@ -63,34 +62,6 @@ def keep_shape(top_ks: list[int], vocab_size: int) -> int:
         return 1
     keep = max(MIN_KEEP, 1 << (most - 1).bit_length())
     return keep if keep < vocab_size else vocab_size
-
-
-# ----------------------------------------------------------------------------------------------
-# Counter-based uniforms
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """x * c mod 2^32 for int64 x in [0, 2^32), in halves so that no product leaves int64."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32) of int64 tensors holding values in [0, 2^32)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Uniform numbers in [0, 1) as float64 [R], a pure function of (seed [R] int64, position [R]
-    int64): 53 random bits from hashing the seed's two halves with the position."""
-    lo, hi = seeds & _MASK32, (seeds >> 32) & _MASK32
-    h = _hash32(_hash32(_hash32(positions & _MASK32) ^ lo) ^ hi)
-    top = _hash32(h ^ 0x68E31DA4) >> 5  # 27 bits
-    low = _hash32(h ^ 0xB5297A4D) >> 6  # 26 bits
-    return ((top << 26) | low).double() * 2.0**-53
 
 
 # ----------------------------------------------------------------------------------------------
