@@ -32,6 +32,7 @@ entries once per step (:meth:`KVPool.flush`).
 from __future__ import annotations
 
 import math
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -365,8 +366,9 @@ class KVPool:
         for kind, updates in self._updates.items():
             if updates:
                 last = {(slot, i): block for slot, i, block in updates}
-                rows = [(slot, i, block) for (slot, i), block in last.items()]
-                index = to_device(torch.tensor(rows, dtype=torch.int64).T, self.device)
+                rows = array("q", [value for (slot, i), block in last.items() for value in (slot, i, block)])
+                # from a buffer: torch.tensor takes 0.3 ms to read the 1,500 ints of a long prompt cache hit
+                index = to_device(torch.frombuffer(rows, dtype=torch.int64).view(-1, 3).T, self.device)
                 self.tables[kind].index_put_((index[0], index[1]), index[2].to(torch.int32))
                 updates.clear()
 
