@@ -80,6 +80,7 @@ class InstantRunner:
 
     def launch(self, decode: list[Sequence], decode_keep: int, chunks: list[tuple[Sequence, int]], sampled: list[int],
                masked: bool = False, scored: bool = False, defer_pick: bool = False) -> StepTokens:
+        """The step's table entries sent as the real launch sends them, and its tokens, ready."""
         self._runner.pool.flush()
         seqs = decode + [chunks[i][0] for i in sampled]
         return StepTokens(seqs, [[] for _ in seqs], torch.full((len(seqs),), self._token), None)
@@ -321,13 +322,15 @@ def report(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Measure and print (and write, with --json) the figures."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--history", type=int, default=8000,
                    help="words of the conversation's first message (default: %(default)s)")
     p.add_argument("--at-turn", type=int, default=2,
                    help="the turn of the conversation timed, after the first of --history words and the "
                         "others of --turn words, each answered (default: %(default)s)")
-    p.add_argument("--turn", type=int, default=64, help="words of each timed turn's new message (default: %(default)s)")
+    p.add_argument("--turn", type=int, default=64,
+                   help="words of the message of each turn after the first, the timed ones too (default: %(default)s)")
     p.add_argument("--repeat", type=int, default=100, help="timed requests of each kind (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="of the random words and ids (default: %(default)s)")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
