@@ -153,9 +153,6 @@ def time_decode(engine: Engine, depth: int, new: int, generator: torch.Generator
     return 1 / out.decode_tok_s
 
 
-SMALLEST_DEFAULT_CHUNK = 256  # the engine's prompt chunk is at least this unless set (EngineConfig)
-
-
 def batch_tokens(batch: int, context: int, new: int, prefill_chunk: int) -> int:
     """The most tokens one of :func:`time_batch`'s `batch` sequences holds: its `context` prompt
     tokens, `new` timed steps and 4 more, and a step more for every prompt chunk the batch reads

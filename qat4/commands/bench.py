@@ -214,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
     from qat4 import bench
     from qat4.engine.tuning import pinned_tilings_note
     from qat4.engine import Engine
+    from qat4.engine.memory import AUTO_PREFILL_CHUNKS
 
     if args.model is None:
         raise Qat4Error("--model is required: a checkpoint, Hub id or synthetic:e2b (or use `qat4 bench serve`)")
@@ -226,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     bench.progress(f"loading {args.model}")
     packed = load_packed_for_bench(args.model, device, args.seed)
     cfg = packed.config
-    chunk = args.prefill_chunk or bench.SMALLEST_DEFAULT_CHUNK
+    chunk = args.prefill_chunk or AUTO_PREFILL_CHUNKS[-1]  # the engine's prompt chunk is at least this unless set
     batch_seq = max((bench.batch_tokens(b, args.batch_context, args.new, chunk) for b in batches), default=0)
     longest = max(max(depths) + bench.decode_tokens(args.new), args.prompt + 1, batch_seq)
     max_ctx = args.max_ctx or min(cfg.max_position_embeddings, longest)
