@@ -16,6 +16,7 @@ from qat4.checkpoint.synth import write_synthetic
 from qat4.cli import main
 from qat4.config import TINY
 from qat4.engine import Engine
+from qat4.engine.engine import CheckedIds
 from qat4.errors import Qat4Error
 from qat4.engine.sampler import SamplingParams, keep_shape, sample
 from qat4.model import dtype_round
@@ -60,6 +61,19 @@ def test_text_prompt_has_one_bos(engine):
     assert engine.encode([5, 6, 7]) == [5, 6, 7]  # ids pass through untouched
     with pytest.raises(Qat4Error, match="outside the vocabulary"):
         engine.encode([TINY.vocab_size])
+
+
+def test_checked_ids_are_taken_without_a_second_check(engine):
+    """encode's lists carry the vocabulary they were checked against: encoding one again (what
+    add_request does with the server's) copies it without a pass over its ids, and one checked
+    against a larger vocabulary is checked again."""
+    ids = engine.encode("<bos><bos>" + PROMPT)
+    assert isinstance(ids, CheckedIds) and ids.vocab_size == TINY.vocab_size and ids.count(TINY.bos_token_id) == 1
+    again = engine.encode(ids)
+    assert again == ids and again is not ids  # a new list: a sequence's tokens never alias its caller's
+    with pytest.raises(Qat4Error, match=f"token id {TINY.vocab_size} is outside"):
+        engine.encode(CheckedIds([5, TINY.vocab_size], TINY.vocab_size + 1))
+    assert engine.encode(CheckedIds([5, 6], TINY.vocab_size - 1)) == [5, 6]
 
 
 def test_generate_text_and_ids(engine, greedy):

@@ -124,8 +124,7 @@ def test_the_allocator_caches_named_blocks_and_evicts_the_oldest_tails_first():
     a = BlockAllocator(8)
     blocks = a.allocate(3)
     names = extend_block_hashes([], list(range(12)), 4, 3)
-    for block, name in zip(blocks, names):
-        a.register(block, name)
+    a.register(blocks, names)
     a.release(blocks)  # the tail is cached first, so evicted first
     assert a.num_cached == 3 and a.num_free == 7 and a.num_used == 0
     a.acquire([a.lookup(names[0])])

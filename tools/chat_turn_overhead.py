@@ -267,7 +267,7 @@ def _first_token_ms(engine: Engine, ids: list[int], keep: int, repeat: int) -> f
     prompts of the first ``keep`` of ``ids`` and random ids after them, as new turns have."""
     rng, seconds = random.Random(len(ids)), []
     for _ in range(repeat):
-        prompt = ids[:keep] + rng.choices(PROMPT_IDS, k=len(ids) - keep)
+        prompt = engine.encode(ids[:keep] + rng.choices(PROMPT_IDS, k=len(ids) - keep))  # the server's thread checks them
         start = time.perf_counter()
         seq = engine.add_request(prompt, 1, temperature=0, stop_token_ids=[])
         while not seq.output:

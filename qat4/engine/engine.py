@@ -50,6 +50,16 @@ from qat4.errors import Qat4Error
 from qat4.model import Gemma4
 
 
+class CheckedIds(list):
+    """A prompt's token ids that :meth:`Engine.encode` found all below ``vocab_size``: a server
+    encodes and checks a prompt off its event loop, and the engine thread's :meth:`Engine.add_request`
+    then takes the ids without a second pass over them (some 0.7 ms for 8,000 ids on a slow host)."""
+
+    def __init__(self, ids, vocab_size: int):
+        super().__init__(ids)
+        self.vocab_size = vocab_size
+
+
 class PoolBusy(Qat4Error):
     """The KV pool has no room for a prompt read alone (:meth:`Engine.logits`) beside the running
     sequences; it will have once they are done."""
@@ -150,22 +160,27 @@ class Engine:
     # ---- prompts and parameters --------------------------------------------------------------
 
     def encode(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt: text is encoded with exactly one leading <bos>; ids pass through."""
+        """Token ids of a prompt: text is encoded with exactly one leading <bos>; ids pass through,
+        checked against the vocabulary. Returns :class:`CheckedIds` (a new list), which a later
+        :meth:`add_request` takes without checking its ids again."""
+        vocab = self.config.vocab_size
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise Qat4Error("this model has no tokenizer; pass the prompt as token ids")
             bos = self.config.bos_token_id
-            ids = list(self.tokenizer.encode(prompt))
-            while ids and ids[0] == bos:
-                ids.pop(0)
-            ids = [bos, *ids]
+            ids = self.tokenizer.encode(prompt)
+            start = next((i for i, t in enumerate(ids) if t != bos), len(ids))
+            ids = CheckedIds([bos, *ids[start:]], vocab)
+            if max(ids) < vocab and bos >= 0:  # a tokenizer's ids are ints from 0 on: one pass in C
+                return ids
+        elif isinstance(prompt, CheckedIds) and prompt.vocab_size <= vocab:
+            return CheckedIds(prompt, prompt.vocab_size)
         else:
-            ids = list(prompt)
+            ids = CheckedIds(prompt, vocab)
             if set(map(type, ids)) != {int}:  # a set of types is built faster than a list of the same ints
-                ids = [int(t) for t in ids]
+                ids = CheckedIds([int(t) for t in ids], vocab)
         if not ids:
             raise Qat4Error("the prompt is empty")
-        vocab = self.config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise Qat4Error(f"prompt token id {bad} is outside the vocabulary of {vocab}")

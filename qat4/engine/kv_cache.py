@@ -35,6 +35,7 @@ import math
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
+from itertools import count, repeat
 
 import torch
 
@@ -114,11 +115,14 @@ class BlockAllocator:
             else:
                 self._free.append(block)
 
-    def register(self, block: int, key: bytes) -> None:
-        """Name a held block by the hash of the tokens up to its end (a first name sticks; a
-        second block with the same tokens stays unnamed and is freed when let go)."""
-        if key not in self._block_of and block not in self._hash_of:
-            self._block_of[key], self._hash_of[block] = block, key
+    def register(self, blocks: list[int], keys: list[bytes]) -> None:
+        """Name each held block by its key, the hash of the tokens up to its end (block 0: none to
+        name; a first name sticks; a second block with the same tokens stays unnamed and is freed
+        when let go)."""
+        block_of, hash_of = self._block_of, self._hash_of
+        for block, key in zip(blocks, keys):
+            if block and key not in block_of and block not in hash_of:
+                block_of[key], hash_of[block] = block, key
 
     def held_once(self, block: int) -> bool:
         """Whether exactly one sequence holds the block (letting go makes it available)."""
@@ -129,12 +133,9 @@ class BlockAllocator:
 
     def lookup_run(self, keys: list[bytes]) -> list[int]:
         """The blocks ``keys`` name, from the first key up to the first that names none."""
-        blocks = []
-        for key in keys:
-            block = self._block_of.get(key)
-            if block is None:
-                break
-            blocks.append(block)
+        blocks = list(map(self._block_of.get, keys))
+        if None in blocks:
+            del blocks[blocks.index(None):]
         return blocks
 
     def acquire(self, blocks: list[int]) -> None:
@@ -262,9 +263,7 @@ class KVPool:
 
     def _name(self, kind: str, held: list[int], start: int, stop: int, hashes: list[bytes] | None) -> None:
         if self.prompt_cache and hashes:
-            for i in range(start, min(stop, len(hashes))):
-                if held[i]:
-                    self.allocators[kind].register(held[i], hashes[i])
+            self.allocators[kind].register(held[start:stop], hashes[start:stop])
 
     def attach_prefix(self, slot: int, hashes: list[bytes], limit: int) -> int:
         """Give an empty slot the cached blocks of the longest prefix named by ``hashes`` that
@@ -275,20 +274,22 @@ class KVPool:
             return 0
         bs = self.block_size
         restart = min(len(hashes), (limit - 1) // bs)
-        if FULL in self.allocators:
-            restart = len(self.allocators[FULL].lookup_run(hashes[:restart]))
+        full = self.allocators[FULL].lookup_run(hashes[:restart]) if FULL in self.allocators else None
+        if full is not None:
+            restart = len(full)
         if SLIDING in self.allocators:
             sliding = self.allocators[SLIDING]
-            while restart and any(sliding.lookup(hashes[i]) is None for i in range(self._first_kept(restart * bs), restart)):
+            while restart and len(sliding.lookup_run(hashes[(first := self._first_kept(restart * bs)):restart])) < restart - first:
                 restart -= 1
         for kind, alloc in self.allocators.items():
             start = self._first_kept(restart * bs) if kind == SLIDING else 0
-            blocks = alloc.lookup_run(hashes[start:restart])  # every one is named: the runs above reach restart
+            # every one is named: the runs above reach restart
+            blocks = full[:restart] if kind == FULL else alloc.lookup_run(hashes[start:restart])
             alloc.acquire(blocks)
             held = self._held[slot][kind]
             held.extend([0] * start)
             held.extend(blocks)
-            self._updates[kind].extend((slot, i, block) for i, block in enumerate(blocks, start))
+            self._updates[kind].extend(zip(repeat(slot), count(start), blocks))
             if kind == SLIDING:
                 self._live_from[slot] = start
         return restart * bs

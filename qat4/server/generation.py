@@ -272,7 +272,7 @@ class EngineLoop:
                 self.metrics.rejected.inc()
                 waiting = max(0, ahead - room)
                 raise QueueFull(max(1, math.ceil(self._seconds_per_request * (waiting + 1) / max(1, len(scheduler.running)))))
-            job = _Job(list(prompt_ids), params, asyncio.get_running_loop(), asyncio.Queue())
+            job = _Job(prompt_ids, params, asyncio.get_running_loop(), asyncio.Queue())  # Engine.encode's own list
             self._inbox.append(job)
             self._cond.notify()
         return Generation(self, job, decode)
