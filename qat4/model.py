@@ -44,11 +44,11 @@ class Pages(Protocol):
 @dataclass
 class ForwardBatch:
     """Where a flat batch of tokens sits in the KV pool: the sequences' query layout for the
-    attention (:class:`qat4.ops.attention.PagedSeqs`) and, per layer type, the pool row [T] int64
-    each token's keys are written to."""
+    attention (:class:`qat4.ops.attention.PagedSeqs`) and the block-table row [T] int64 of each
+    token's sequence, through which its keys are written (at its position's pool row)."""
 
     seqs: PagedSeqs
-    store_rows: dict[str, torch.Tensor]
+    slots: torch.Tensor
 
 
 def largest_product(config: Gemma4Config) -> int:
@@ -257,7 +257,8 @@ class Gemma4:
         rope = self.rope[layer.kind]
         if layer.owns_kv:
             q = qk_norm_rope_store(q, k, v, positions, rope, layer.q_norm, layer.k_norm, pages.k[layer.index],
-                                   pages.v[layer.index], batch.store_rows[layer.kind], self.eps)
+                                   pages.v[layer.index], pages.tables[layer.kind], pages.block_size, batch.slots,
+                                   self.eps)
         else:
             q, _, _ = qk_norm_rope(q, None, None, positions, rope, layer.q_norm, None, self.eps)
         source = self.config.kv_source(layer.index)

@@ -174,16 +174,17 @@ def test_residual_rms_norm_is_the_layers_residual_then_the_next_norm(dtype):
 
 
 def test_qk_norm_rope_store_writes_each_token_at_its_row():
-    """Token t's k and v land at row slots[t] of the layer's pool (any rows, any order); nothing
-    else is written."""
+    """Token t's k and v land at the pool row of its position in its sequence's pages (blocks of 4:
+    sequence 0 holds blocks 0 and 3, sequence 1 block 2); nothing else is written."""
     T, H, D = 3, 8, 32
     q, k, v = torch.randn(T, H, D), torch.randn(T, 1, D), torch.randn(T, 1, D)
-    positions = torch.tensor([5, 6, 7])
+    positions, slots = torch.tensor([5, 6, 1]), torch.tensor([0, 0, 1])
+    table = torch.tensor([[0, 3, 0], [2, 0, 0]], dtype=torch.int32)
     cache = qkv_prep.rope_cos_sin_cache(our_inv_freq("sliding_attention", D), 16)
     qw, kw = torch.rand(D) * 3, torch.rand(D) * 3
     k_cache, v_cache = torch.zeros(16, D), torch.zeros(16, D)
-    rows = torch.tensor([9, 2, 14])
-    q_out = qkv_prep.qk_norm_rope_store_reference(q, k, v, positions, cache, qw, kw, k_cache, v_cache, rows)
+    rows = torch.tensor([13, 14, 9])  # 3 * 4 + 1, 3 * 4 + 2, 2 * 4 + 1
+    q_out = qkv_prep.qk_norm_rope_store_reference(q, k, v, positions, cache, qw, kw, k_cache, v_cache, table, 4, slots)
     eq, ek, ev = qkv_prep.qk_norm_rope_reference(q, k, v, positions, cache, qw, kw)
     assert torch.equal(q_out, eq) and torch.equal(k_cache[rows], ek[:, 0]) and torch.equal(v_cache[rows], ev[:, 0])
     assert int((k_cache.abs().sum(-1) > 0).sum()) == T
@@ -284,15 +285,16 @@ def test_kernel_residual_rms_norm(dtype):
 def test_kernel_qk_norm_rope_store(dtype):
     T, H, dim = 2, 8, 32
     table = qkv_prep.rope_cos_sin_cache(our_inv_freq("sliding_attention", dim), 64, dtype).to(KERNEL_DEVICE)
-    positions = torch.tensor([13, 14], device=KERNEL_DEVICE)
-    rows = torch.tensor([40, 3], device=KERNEL_DEVICE)
+    positions, slots = torch.tensor([13, 14], device=KERNEL_DEVICE), torch.tensor([1, 0], device=KERNEL_DEVICE)
+    block_table = torch.tensor([[6, 7], [0, 2]], dtype=torch.int32, device=KERNEL_DEVICE)  # blocks of 8
+    rows = torch.tensor([21, 62], device=KERNEL_DEVICE)  # 2 * 8 + 5, 7 * 8 + 6
     qkv = rand(T, (H + 2) * dim, dtype=dtype, scale=2)
     q, k, v = qkv[:, : H * dim].view(T, H, dim), qkv[:, H * dim : (H + 1) * dim].view(T, 1, dim), qkv[:, (H + 1) * dim :].view(T, 1, dim)
     qw, kw = rand(dim, dtype=dtype, scale=4), rand(dim, dtype=dtype, scale=4)
     caches = []
     for fn in (qkv_prep.qk_norm_rope_store_triton, qkv_prep.qk_norm_rope_store_reference):
         kc, vc = (torch.full((64, dim), float("nan"), dtype=dtype, device=KERNEL_DEVICE) for _ in range(2))
-        caches.append((fn(q, k, v, positions, table, qw, kw, kc, vc, rows), kc, vc))
+        caches.append((fn(q, k, v, positions, table, qw, kw, kc, vc, block_table, 8, slots), kc, vc))
     (q1, k1, v1), (q2, k2, v2) = caches
     assert_kernel_close(q1, q2)
     for a, b in ((k1, k2), (v1, v2)):

@@ -40,6 +40,7 @@ from itertools import count, repeat
 import torch
 
 from qat4.config import FULL, SLIDING, Gemma4Config
+from qat4.ops.attention import pool_rows
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -378,5 +379,4 @@ class KVPool:
     def store_rows(self, kind: str, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Pool rows [T] int64 of positions [T] of the sequences in table rows slots [T] (device
         tensors; graph-capturable)."""
-        bs = self.block_size
-        return self.tables[kind][slots, positions // bs].long() * bs + positions % bs
+        return pool_rows(self.tables[kind], self.block_size, slots, positions)

@@ -256,7 +256,7 @@ class ModelRunner:
     def _batch(self, slots: torch.Tensor, positions: torch.Tensor, cu_q: torch.Tensor, rows: torch.Tensor,
                max_q_len: int, max_keys: int) -> ForwardBatch:
         seqs = PagedSeqs(positions, cu_q, rows, max_q_len, max_keys)
-        return ForwardBatch(seqs, {kind: self.pool.store_rows(kind, slots, positions) for kind in self.pool.tables})
+        return ForwardBatch(seqs, slots)
 
     def pick(self, h: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, keep: int,
              masked: bool = False, scores: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -297,7 +297,8 @@ class ModelRunner:
         ids, positions, slots = self._meta[:, : b * q]
         ids = torch.where(ids >= 0, ids, self.last_token[slots])
         rows = slots if q == 1 else slots[::q].contiguous()
-        batch = self._batch(slots, positions, self._cu_q[: b + 1] * q, rows, q, self.max_ctx)
+        batch = self._batch(slots, positions, self._cu_q[: b + 1] * q if q > 1 else self._cu_q[: b + 1], rows, q,
+                            self.max_ctx)
         h = self.model.forward(ids, positions, self.pool, batch)
         if keep:
             self._pick_rows(h, b, q, keep, masked, scored)

@@ -58,6 +58,12 @@ class PagedSeqs(NamedTuple):
     max_keys: int
 
 
+def pool_rows(block_table: torch.Tensor, block_size: int, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Pool rows [T] int64 of positions [T] of the sequences in block-table rows slots [T] (the
+    pool contract above; device tensors, graph-capturable)."""
+    return block_table[slots, positions // block_size].long() * block_size + positions % block_size
+
+
 # ----------------------------------------------------------------------------------------------
 # Reference
 
@@ -178,7 +184,10 @@ def _paged_attn_kernel(
     first = lo + pid_s * chunk
     last = tl.minimum(first + chunk, hi)
     # positions, sequence bounds and block tables come from the host, never from an earlier kernel:
-    # read before the wait, the chain of dependent loads runs while the previous kernel finishes
+    # read before the wait (the first key tile's blocks too), the chain of dependent loads runs
+    # while the previous kernel finishes
+    n = first + tl.arange(0, BLOCK_N)
+    block = tl.load(table + n // BS, mask=n < last, other=0).to(tl.int64)
     wait_for_previous_kernel(USE_PDL)
     q = tl.load(Q + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
 
@@ -188,10 +197,11 @@ def _paged_attn_kernel(
     for start in range(first, last, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < last
-        block = tl.load(table + n // BS, mask=n_ok, other=0).to(tl.int64)
         slot = block * BS + n % BS
         k = tl.load(K + slot[:, None] * stride_kn + d[None, :], mask=n_ok[:, None], other=0.0)
         v = tl.load(V + slot[:, None] * stride_vn + d[None, :], mask=n_ok[:, None], other=0.0)
+        # the next tile's blocks, fetched while this tile's keys arrive
+        block = tl.load(table + (n + BLOCK_N) // BS, mask=n + BLOCK_N < last, other=0).to(tl.int64)
         visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * 1.4426950408889634
         s = tl.where(visible, s, float("-inf"))

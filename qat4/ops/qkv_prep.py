@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from qat4.ops import use_triton
 from qat4.ops._triton import tl, triton
+from qat4.ops.attention import pool_rows
 from qat4.ops.norms import rms_norm_reference
 from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
 
@@ -130,16 +131,22 @@ def qk_norm_rope_store_reference(
     k_weight: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
     slots: torch.Tensor,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """:func:`qk_norm_rope_reference` whose k and v [T, 1, D] go straight into a layer's cache.
+    """:func:`qk_norm_rope_reference` whose k and v [T, 1, D] go straight into a layer's pages.
 
-    k_cache, v_cache [S, D]; token t is stored at row slots[t] (int). Returns the rotated q [T, H, D].
+    k_cache, v_cache [S, D], a paged pool (:mod:`qat4.ops.attention`'s contract): token t, of the
+    sequence in block_table row slots[t] [T] int64, is stored at row ``block_table[slots[t],
+    positions[t] // block_size] * block_size + positions[t] % block_size``
+    (:func:`~qat4.ops.attention.pool_rows`). Returns the rotated q [T, H, D].
     """
     q, k, v = qk_norm_rope_reference(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps)
-    k_cache.index_copy_(0, slots.long(), k[:, 0])
-    v_cache.index_copy_(0, slots.long(), v[:, 0])
+    rows = pool_rows(block_table, block_size, slots, positions)
+    k_cache.index_copy_(0, rows, k[:, 0])
+    v_cache.index_copy_(0, rows, v[:, 0])
     return q
 
 
@@ -185,26 +192,33 @@ def _norm_rope_row(
 
 @triton.jit(do_not_specialize=["Pos", "Slots"])
 def _qkv_norm_rope_kernel(
-    Q, K, V, QO, KO, VO, QW, KW, CS, Pos, Slots,
+    Q, K, V, QO, KO, VO, QW, KW, CS, Pos, Slots, Table,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cs, n_rot, eps,
+    stride_cs, stride_tab, n_rot, eps,
     HQ: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, NORM: tl.constexpr,
-    STORE: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    STORE: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Per-head norm + RoPE of q, k and the V-norm of v, one launch.
 
     Q [T, HQ, D], K [T, HK, D], V [T, HV, D] (any token/head strides, unit dim stride; HK = HV = 0
     when absent); QO contiguous [T, HQ, D]; QW, KW [D]; CS [P, 2 * n_rot]; Pos [T] int.
     NORM=False only rotates q (plain RoPE). D = 2 * HALF. KO/VO are contiguous [T, HK, D], or,
-    with STORE (HK = HV = 1), a layer's cache [S, D] written at row Slots[t] (int64).
+    with STORE (HK = HV = 1), a layer's paged cache [S, D] written at the pool row of token t's
+    position: Table[Slots[t], Pos[t] // BS] * BS + Pos[t] % BS (Slots [T] int64, Table [R, W]
+    int32, row stride stride_tab). Positions, slots and tables come from the host, so they and the
+    row are read before the PDL wait.
     Grid: (T, HQ + HK + HV); program (t, h) handles one head row.
     """
-    wait_for_previous_kernel(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.load(Pos + t)
     cs = CS + p * stride_cs
-    slot = tl.load(Slots + t).to(tl.int64) if STORE else t
+    if STORE:
+        seq = tl.load(Slots + t).to(tl.int64)
+        slot = tl.load(Table + seq * stride_tab + p // BS).to(tl.int64) * BS + p % BS
+    else:
+        slot = t.to(tl.int64)
+    wait_for_previous_kernel(USE_PDL)
     if h < HQ:
         _norm_rope_row(Q + t * stride_qt + h * stride_qh, QO + (t * HQ + h) * (2 * HALF), QW, cs, n_rot, eps,
                        NORM, NORM, True, HALF, BLOCK)
@@ -255,12 +269,14 @@ def qk_norm_rope_store_triton(
     k_weight: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
     slots: torch.Tensor,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Triton :func:`qk_norm_rope_store_reference`: the same single launch, k and v written into the cache."""
+    """Triton :func:`qk_norm_rope_store_reference`: the same single launch, k and v written into the pages."""
     return _launch_norm_rope(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, norm=True,
-                             cache=(k_cache, v_cache, slots))[0]
+                             cache=(k_cache, v_cache, block_table, block_size, slots))[0]
 
 
 def _launch_norm_rope(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, norm, cache=None):
@@ -274,20 +290,20 @@ def _launch_norm_rope(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps
     if cache is None:
         ko = None if k is None else torch.empty((T, HK, D), dtype=k.dtype, device=k.device)
         vo = None if v is None else torch.empty((T, HV, D), dtype=v.dtype, device=v.device)
-        slots = positions
+        table, block_size, slots = positions, 1, positions
     else:
-        ko, vo, slots = cache
+        ko, vo, table, block_size, slots = cache
     cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     block = triton.next_power_of_2(D // 2)
     _qkv_norm_rope_kernel[(T, HQ + HK + HV)](
         q, q if k is None else k, q if v is None else v,
         qo, qo if ko is None else ko, qo if vo is None else vo,
-        q if q_weight is None else q_weight, q if k_weight is None else k_weight, cs, positions, slots,
+        q if q_weight is None else q_weight, q if k_weight is None else k_weight, cs, positions, slots, table,
         q.stride(0), q.stride(1),
         0 if k is None else k.stride(0), 0 if k is None else k.stride(1),
         0 if v is None else v.stride(0), 0 if v is None else v.stride(1),
-        cs.stride(0), cs.shape[-1] // 2, eps,
-        HQ=HQ, HK=HK, HV=HV, NORM=norm, STORE=cache is not None, HALF=D // 2, BLOCK=block,
+        cs.stride(0), table.stride(0), cs.shape[-1] // 2, eps,
+        HQ=HQ, HK=HK, HV=HV, NORM=norm, STORE=cache is not None, BS=block_size, HALF=D // 2, BLOCK=block,
         num_warps=max(1, min(4, block // 64)), **pdl_launch(q, T),
     )
     return qo, None if cache else ko, None if cache else vo
@@ -307,12 +323,15 @@ def qk_norm_rope_store(
     k_weight: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
     slots: torch.Tensor,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Head norms + RoPE with k, v stored into a layer's cache. See :func:`qk_norm_rope_store_reference`."""
+    """Head norms + RoPE with k, v stored into a layer's pages. See :func:`qk_norm_rope_store_reference`."""
     fn = qk_norm_rope_store_triton if use_triton(q) else qk_norm_rope_store_reference
-    return fn(q, k, v, positions, cos_sin_cache, q_weight, k_weight, k_cache, v_cache, slots, eps)
+    return fn(q, k, v, positions, cos_sin_cache, q_weight, k_weight, k_cache, v_cache, block_table, block_size, slots,
+              eps)
 
 
 def qk_norm_rope(
