@@ -4,6 +4,8 @@ Triton reads TRITON_INTERPRET when a kernel is defined, so under a plain `pytest
 file runs its kernel tests in a subprocess with TRITON_INTERPRET=1 (:func:`run_interpreted`). The
 kernel test files of one session share that subprocess: the first file's call runs them all (each
 process start imports torch and Triton again), and each file's test then reads its own results.
+Run in parallel (pytest-xdist), each worker would run that shared subprocess, all files twice over,
+so there a file's call runs its own kernel tests alone.
 """
 
 import os
@@ -30,8 +32,9 @@ def run_interpreted(test_file: str, request: pytest.FixtureRequest, keyword: str
     if KERNEL_DEVICE is not None:
         pytest.skip("the kernel tests run in this process")
     this = Path(test_file).resolve()
-    files = tuple(sorted({Path(item.path).resolve() for item in request.session.items
-                          if item.originalname == request.node.originalname} | {this}))
+    files = (this,) if os.environ.get("PYTEST_XDIST_WORKER") else tuple(sorted(
+        {Path(item.path).resolve() for item in request.session.items if item.originalname == request.node.originalname}
+        | {this}))
     if (files, keyword) not in _RUNS:
         _RUNS[files, keyword] = _run(files, keyword)
     returncode, outcomes, output = _RUNS[files, keyword]

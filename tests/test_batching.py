@@ -18,6 +18,7 @@ from qat4.engine.scheduler import Scheduler
 from qat4.engine.sequence import Sequence, State
 from qat4.engine.sampler import SamplingParams, mask_logits
 from qat4.errors import Qat4Error
+from qat4.ops.attention import pool_rows
 
 CHUNK = 8
 
@@ -310,7 +311,8 @@ def test_sliding_blocks_are_given_back_once_out_of_every_window():
     assert pool.held_blocks(slot) == {"full_attention": 11, "sliding_attention": 3}  # blocks 8, 9, 10
     pool.flush()
     table = pool.tables["sliding_attention"][slot]
-    rows = pool.store_rows("sliding_attention", torch.tensor([slot, slot]), torch.tensor([33, 40]))
+    rows = pool_rows(pool.tables["sliding_attention"], pool.block_size, torch.tensor([slot, slot]),
+                     torch.tensor([33, 40]))
     assert rows.tolist() == [int(table[8]) * 4 + 1, int(table[10]) * 4]
     pool.close_slot(slot)
     assert all(a.num_used == 0 for a in pool.allocators.values()) and pool.num_free_slots == 2

@@ -28,7 +28,7 @@ from qat4.engine.mtp import MTPDrafter
 from qat4.engine.sampler import SamplingParams
 from qat4.engine.sequence import Sequence
 from qat4.errors import Qat4Error
-from qat4.ops.attention import PagedSeqs
+from qat4.ops.attention import PagedSeqs, pool_rows
 
 OPTIONS = {"max_ctx": 128, "prefill_chunk": 8, "block_size": 4}
 DRAFTS = 4
@@ -86,7 +86,7 @@ def pool_kv(engine: Engine, slot: int, n: int) -> dict[str, tuple[torch.Tensor, 
     """transformers' ``shared_kv_states`` [1, 1, n, d] of the slot's first n positions, from qat4's pool."""
     out = {}
     for kind, layer in TINY.first_shared_types().items():
-        rows = engine.pool.store_rows(kind, torch.full((n,), slot), torch.arange(n))
+        rows = pool_rows(engine.pool.tables[kind], engine.pool.block_size, torch.full((n,), slot), torch.arange(n))
         out[kind] = (engine.pool.k[layer][rows][None, None], engine.pool.v[layer][rows][None, None])
     return out
 

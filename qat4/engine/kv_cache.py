@@ -40,7 +40,6 @@ from itertools import count, repeat
 import torch
 
 from qat4.config import FULL, SLIDING, Gemma4Config
-from qat4.ops.attention import pool_rows
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -373,10 +372,3 @@ class KVPool:
                 index = to_device(torch.frombuffer(rows, dtype=torch.int64).view(-1, 3).T, self.device)
                 self.tables[kind].index_put_((index[0], index[1]), index[2].to(torch.int32))
                 updates.clear()
-
-    # ---- rows ----------------------------------------------------------------------------------
-
-    def store_rows(self, kind: str, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Pool rows [T] int64 of positions [T] of the sequences in table rows slots [T] (device
-        tensors; graph-capturable)."""
-        return pool_rows(self.tables[kind], self.block_size, slots, positions)

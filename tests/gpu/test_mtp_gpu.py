@@ -15,7 +15,7 @@ from qat4.config import E2B
 from qat4.engine import Engine
 from qat4.engine.sampler import SamplingParams
 from qat4.engine.sequence import Sequence
-from qat4.ops.attention import PagedSeqs
+from qat4.ops.attention import PagedSeqs, pool_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -62,7 +62,8 @@ def test_the_bf16_draft_step_agrees_with_transformers_fp32_on_the_same_inputs(sp
             token = engine.model.argmax(hidden[-1:])
             kv = {}
             for kind, layer in E2B.first_shared_types().items():
-                rows = engine.pool.store_rows(kind, torch.full((n,), seq.slot, device="cuda"), torch.arange(n, device="cuda"))
+                rows = pool_rows(engine.pool.tables[kind], engine.pool.block_size, torch.full((n,), seq.slot, device="cuda"),
+                                 torch.arange(n, device="cuda"))
                 kv[kind] = (engine.pool.k[layer][rows].float()[None, None], engine.pool.v[layer][rows].float()[None, None])
             e = engine.model.embed_input(token).float()
             want = hf(inputs_embeds=torch.cat([e, hidden[-1:].float()], -1)[None], position_ids=torch.tensor([[n]], device="cuda"),
