@@ -250,6 +250,7 @@ def test_an_unreachable_url_is_one_line(capsys):
     (["--model", "m", "--concurrency", "0"], "--concurrency must list numbers of clients of at least 1, got '0'"),
     (["--model", "m", "--concurrency", "1,x"], "--concurrency must be comma-separated integers, got '1,x'"),
     (["--model", "m", "--output-len", "0"], "--input-len and --output-len must be at least 1"),
+    (["--model", "m", "--multi-turn", "3", "--rounds", "0"], "--multi-turn, --sessions, --rounds and --turn-len must be"),
     (["--model", "m", "--concurrency", "4", "--requests-per-level", "2"],
      "--requests-per-level 2 is fewer than the largest --concurrency 4; every client needs at least one request"),
     (["--model", "m", "--compare", "llama.cpp=1"], "--compare takes NAME=CONCURRENCY:TOK_S"),
@@ -300,13 +301,15 @@ def test_multi_turn_conversations_hit_the_prompt_cache(tmp_path, capsys):
 
     with LiveServer(create_app(tiny_engine(), model_name="tiny")) as server:
         out = tmp_path / "turns.json"
-        assert bench(server.url, "--multi-turn", "3", "--sessions", "2", "--input-len", "60", "--turn-len", "10",
-                     "--output-len", "4", "--json", str(out)) == 0
+        assert bench(server.url, "--multi-turn", "3", "--sessions", "2", "--rounds", "2", "--input-len", "60",
+                     "--turn-len", "10", "--output-len", "4", "--json", str(out)) == 0
     report = json.loads(out.read_text())
     later = report["per_turn"][1:]
+    assert report["rounds"] == 2 and all(t["sessions"] == 4 for t in report["per_turn"])  # two rounds of two
     assert all(t["failed"] == 0 for t in report["per_turn"]) and report["per_turn"][0]["cached_tokens"] == 0
     assert all(t["cached_tokens"] >= t["reusable_tokens"] - 16 - 4 for t in later)  # all but the reply and a block
     assert report["hit_rate"] > 0.7
     printed = capsys.readouterr().out
     assert "prompt cache hit rate over turns 2..3" in printed and "cold p50 ms" in printed and "x new-only" in printed
+    assert "4 conversations of 3 turns, 2 rounds of 2 at once" in printed
     assert all(t["new_only_ttft_ms"]["p50"] > 0 for t in report["per_turn"])

@@ -15,7 +15,8 @@
 #     serve    qat4 bench serve at 1, 4, 16, 64 clients (512-token prompts, 128 new tokens)
 #     load     the same closed-loop load on the engine alone, at 16 and 64 clients (tools/engine_load.py)
 #     overhead the server app over a paced engine at the engine's step times, on this host's CPUs (tools/serve_overhead.py)
-#     turns    qat4 bench serve --multi-turn: 1, then 8 conversations of 10 turns over an 8,000-word history
+#     turns    qat4 bench serve --multi-turn: 1, then 8 conversations of 10 turns over an 8,000-word history,
+#              $TURNS_ROUNDS rounds each (default 3)
 #     eval     qat4 eval: all 1,319 GSM8K problems and the 400 BFCL simple questions against qat4 serve at 64
 #              clients, with their wall times (data from $EVAL_DATA, default ../shared/data; EVAL_TASKS picks)
 #     spec     qat4 bench speculative: verification cost and speed-up at acceptance 0 .. 0.9, batch 1 and 16
@@ -93,7 +94,8 @@ if want load; then
 fi
 if want turns; then
     for sessions in ${TURNS_SESSIONS:-1 8}; do
-        timeout ${TURNS_TIMEOUT:-300} python3 -m qat4.cli bench serve "${E2B[@]}" --multi-turn 10 --sessions $sessions --input-len 8000 \
+        timeout ${TURNS_TIMEOUT:-300} python3 -m qat4.cli bench serve "${E2B[@]}" --multi-turn 10 --sessions $sessions \
+            --rounds ${TURNS_ROUNDS:-3} --input-len 8000 \
             --turn-len 64 --output-len 64 --json "$LOGS/bench_turns_$sessions.json" 2>&1 | tee "$LOGS/bench_turns_$sessions.log" | tail -16
     done
 fi

@@ -15,16 +15,17 @@ from qat4.bench_serve.workload import PROMPT_IDS, WORDS, Workload
 
 @dataclass
 class TurnReport:
-    """One turn over every session: time to first token with the prompt cache's help, read cold
-    (the same conversation under a fresh system message, so no prefix matches) and for a prompt of
-    only the tokens the turn read (random ids, as many as its prompt minus its cached tokens), and
-    how much of the previous turn's prompt came back from the cache."""
+    """One turn over every conversation (the sessions of every round): time to first token with the
+    prompt cache's help, read cold (the same conversation under a fresh system message, so no
+    prefix matches) and for a prompt of only the tokens the turn read (random ids, as many as its
+    prompt minus its cached tokens), and how much of the previous turn's prompt came back from the
+    cache."""
 
     turn: int
-    sessions: int
+    sessions: int  # conversations timed at this turn: the sessions of every round
     failed: int
-    prompt_tokens: float  # mean over the sessions
-    cached_tokens: float  # mean over the sessions
+    prompt_tokens: float  # mean over the conversations
+    cached_tokens: float  # mean over the conversations
     reusable_tokens: float  # mean: the previous turn's prompt, which this one starts with
     ttft_ms: dict[str, float | None]
     cold_ttft_ms: dict[str, float | None]
@@ -43,27 +44,32 @@ def _conversation_turns(workload: Workload, turns: int, turn_len: int, rng: rand
 
 
 def run_multi_turn(workload: Workload, turns: int, sessions: int, turn_len: int, seed: int,
-                   on_result: Callable[[str, int, int, RequestResult], None] | None = None) -> list[TurnReport]:
+                   on_result: Callable[[str, int, int, RequestResult], None] | None = None,
+                   rounds: int = 1) -> list[TurnReport]:
     """`sessions` conversations of `turns` turns at once, each client sending its next turn when its
     last reply ended (the history grows by the reply and turn_len words each turn); then the same
     requests again, each under a system message of its own (a cold read), and as completions of
     random token ids as long as what each warm turn read beyond its cached tokens (the time of
-    reading only the new tokens). TTFT per turn all three ways and the prompt tokens the server
+    reading only the new tokens). Each phase runs `rounds` times over new conversations, one round
+    after the other, so that a turn's percentiles come from sessions x rounds requests, each made
+    beside sessions - 1 others. TTFT per turn all three ways and the prompt tokens the server
     reports cached (usage.prompt_tokens_details.cached_tokens)."""
     rng = random.Random(seed)
-    conversations = [_conversation_turns(workload, turns, turn_len, rng) for _ in range(sessions)]
+    waves = [range(r * sessions, (r + 1) * sessions) for r in range(rounds)]
+    total = sessions * rounds
+    conversations = [_conversation_turns(workload, turns, turn_len, rng) for _ in range(total)]
     tag = lambda: " ".join(rng.choices(WORDS, k=8))  # noqa: E731  (a system message of 8 words)
-    sent: list[list[list[dict[str, str]]]] = [[] for _ in range(sessions)]
-    warm: list[list[RequestResult]] = [[] for _ in range(sessions)]
-    cold: list[list[RequestResult | None]] = [[None] * turns for _ in range(sessions)]
-    new_only: list[list[RequestResult | None]] = [[None] * turns for _ in range(sessions)]
+    sent: list[list[list[dict[str, str]]]] = [[] for _ in range(total)]
+    warm: list[list[RequestResult]] = [[] for _ in range(total)]
+    cold: list[list[RequestResult | None]] = [[None] * turns for _ in range(total)]
+    new_only: list[list[RequestResult | None]] = [[None] * turns for _ in range(total)]
     ids = replace(workload, endpoint="completions")
     done = {"warm": 0, "cold": 0, "new tokens only": 0}
 
     def counted(phase: str, result: RequestResult) -> None:
         done[phase] += 1
         if on_result is not None:
-            on_result(phase, done[phase], sessions * turns, result)
+            on_result(phase, done[phase], total * turns, result)
 
     async def converse(s: int) -> None:
         messages = [{"role": "system", "content": tag()}]
@@ -90,17 +96,18 @@ def run_multi_turn(workload: Workload, turns: int, sessions: int, turn_len: int,
 
     async def phases() -> None:
         for phase in (converse, replay, read_new):
-            await asyncio.gather(*(phase(s) for s in range(sessions)))
+            for wave in waves:
+                await asyncio.gather(*(phase(s) for s in wave))
 
     asyncio.run(phases())
     reports = []
     for t in range(turns):
-        ok = [s for s in range(sessions) if t < len(warm[s]) and warm[s][t].ok]
-        colds = [cold[s][t] for s in range(sessions) if cold[s][t] is not None and cold[s][t].ok]
-        news = [new_only[s][t] for s in range(sessions) if new_only[s][t] is not None and new_only[s][t].ok]
+        ok = [s for s in range(total) if t < len(warm[s]) and warm[s][t].ok]
+        colds = [cold[s][t] for s in range(total) if cold[s][t] is not None and cold[s][t].ok]
+        news = [new_only[s][t] for s in range(total) if new_only[s][t] is not None and new_only[s][t].ok]
         per = max(1, len(ok))
         reports.append(TurnReport(
-            turn=t + 1, sessions=sessions, failed=sessions - len(ok),
+            turn=t + 1, sessions=total, failed=total - len(ok),
             prompt_tokens=sum(warm[s][t].input_tokens for s in ok) / per,
             cached_tokens=sum(warm[s][t].cached_tokens for s in ok) / per,
             reusable_tokens=sum(warm[s][t - 1].input_tokens for s in ok if t) / per,

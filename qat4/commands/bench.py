@@ -156,6 +156,9 @@ def _add_serve_parser(modes) -> None:
                         "--input-len words, each later one --turn-len), then the same requests read cold; TTFT per "
                         "turn both ways and the prompt cache's hit rate")
     p.add_argument("--sessions", type=int, default=8, metavar="S", help="conversations at once with --multi-turn (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=1, metavar="R",
+                   help="with --multi-turn: run the --sessions conversations R times over, one round after the "
+                        "other, each turn's percentiles over all of them (default: %(default)s)")
     p.add_argument("--turn-len", type=int, default=64, metavar="N",
                    help="words of each user message after the first with --multi-turn (default: %(default)s)")
     p.add_argument("--compare", action="append", metavar="NAME=C:TOK_S,...",
@@ -269,8 +272,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from qat4.serve_process import serving
 
     concurrencies = _int_list(args.concurrency, "--concurrency", 1, "numbers of clients of at least 1")
-    if args.multi_turn is not None and (args.multi_turn < 1 or args.sessions < 1 or args.turn_len < 1):
-        raise Qat4Error("--multi-turn, --sessions and --turn-len must be at least 1")
+    if args.multi_turn is not None and min(args.multi_turn, args.sessions, args.rounds, args.turn_len) < 1:
+        raise Qat4Error("--multi-turn, --sessions, --rounds and --turn-len must be at least 1")
     if args.multi_turn is not None:
         concurrencies = [args.sessions]
     if args.input_len < 1 or args.output_len < 1:
@@ -337,14 +340,17 @@ def _measure_turns(args: argparse.Namespace, url: str, model: str | None, server
 
     workload = Workload(url, "chat", model, args.input_len, args.output_len,
                         temperature=args.temperature, api_key=args.api_key)
-    show = _progress(lambda phase: f"{args.sessions} conversations, {phase}")
-    turns = run_multi_turn(workload, args.multi_turn, args.sessions, args.turn_len, args.seed, show)
-    print(f"{model} at {url} ({server}): {args.sessions} conversations of {args.multi_turn} turns, "
+    conversations = args.sessions * args.rounds
+    show = _progress(lambda phase: f"{conversations} conversations, {phase}")
+    turns = run_multi_turn(workload, args.multi_turn, args.sessions, args.turn_len, args.seed, show, args.rounds)
+    rounds = f", {args.rounds} rounds of {args.sessions} at once" if args.rounds > 1 else ""
+    print(f"{model} at {url} ({server}): {conversations} conversations of {args.multi_turn} turns{rounds}, "
           f"{args.output_len} output tokens a turn")
     print(format_turns(turns))
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "url": url, "model": model, "server": server, "sessions": args.sessions, "turns": args.multi_turn,
+            "url": url, "model": model, "server": server, "sessions": args.sessions, "rounds": args.rounds,
+            "turns": args.multi_turn,
             "input_len": args.input_len, "turn_len": args.turn_len, "output_len": args.output_len,
             "qat4_commit": qat4_commit(), "hit_rate": hit_rate(turns),
             "per_turn": [asdict(t) for t in turns]}, indent=2))
