@@ -54,6 +54,27 @@ def test_tilings_path_follows_the_environment(monkeypatch, tmp_path):
     assert dt.tilings_path() == tmp_path / "t.json"
 
 
+def test_a_machine_without_tilings_of_its_own_takes_the_shipped_ones(monkeypatch, tmp_path):
+    cpu, own, shipped = torch.device("cpu"), tmp_path / "own.json", tmp_path / "shipped.json"
+    dt.save_tilings({A: tiling(3)}, cpu, torch.bfloat16, shipped)
+    monkeypatch.setattr(dt, "SHIPPED_TILINGS", shipped)
+    monkeypatch.setenv("QAT4_TILINGS", str(own))
+    assert dt.tilings_for(cpu, torch.bfloat16) == ({A: tiling(3)}, shipped)
+    assert dt.tilings_for(cpu, torch.float16) == ({}, own)  # none shipped for this dtype: the autotuner's
+    dt.save_tilings({A: tiling(1)}, cpu, torch.bfloat16)  # once the machine tunes, its own win
+    assert dt.tilings_for(cpu, torch.bfloat16) == ({A: tiling(1)}, own)
+    assert dt.pinned_tilings_note(1, 1, shipped) == f"decode GEMV tilings: 1 of 1 shapes pinned from {shipped}"
+
+
+def test_the_shipped_tilings_cover_the_decode_step_of_e2b_on_an_h200():
+    """Every GEMV shape of a one-row E2B decode step (13), as `qat4 bench --tune` saved them."""
+    h200 = json.loads(dt.SHIPPED_TILINGS.read_text())["NVIDIA H200 | bfloat16 | triton 3.6.0"]
+    rows_groups = {tuple(json.loads(key))[:2] for key in h200}  # (N, K / 32) of each W
+    assert rows_groups == {(2560, 48), (2048, 48), (4096, 48), (5120, 48), (12288, 48), (24576, 48), (256, 48),
+                           (8960, 48), (1536, 8), (1536, 64), (1536, 128), (1536, 192), (1536, 384)}
+    assert all(set(t) == {"RR", "TR", "BLOCK_G", "SPLIT_K"} for t in h200.values())
+
+
 def test_tuning_refuses_an_engine_without_graphs(tmp_path):
     from qat4.checkpoint.synth import write_synthetic
     from qat4.config import TINY

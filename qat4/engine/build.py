@@ -22,7 +22,7 @@ from qat4.engine.config import EngineConfig
 from qat4.engine.kv_cache import KVPool
 from qat4.engine.memory import MIB, Plan, cap_text, model_nbytes, plan
 from qat4.engine.speculation import PromptLookup
-from qat4.engine.tuning import load_tilings
+from qat4.engine.tuning import tilings_for
 from qat4.engine.warmup import reserve_workspace
 from qat4.errors import Qat4Error
 from qat4.model import Gemma4
@@ -80,11 +80,11 @@ def _build(engine_class: type[Engine], packed: PackedModel, device: torch.device
                           keep_hidden=assistant is not None)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the load's transient blocks: under a cap, reserved bytes count, not live ones
-        saved = load_tilings(device, resolved.dtype)
+        saved, source = tilings_for(device, resolved.dtype)
         model.tilings.pin(saved)
         reserve_workspace(engine)
         launched = model.tilings.launched()  # the decode steps' GEMV shapes, captured just now
-        engine.pinned_tilings = (sum(key in saved for key in launched), len(launched))
+        engine.pinned_tilings = (sum(key in saved for key in launched), len(launched), source)
     if assistant is not None:
         from qat4.assistant import Gemma4Assistant
         from qat4.engine.mtp import MTPDrafter

@@ -98,7 +98,8 @@ class Engine:
         self.assistant = None  # the MTP drafter's model, when the engine drafts with one
         self._in_flight = None
         self._verify_started = None  # (time of the read before, sequences, drafts) of a verifying step in flight
-        self.pinned_tilings = (0, 0)  # (decode GEMV shapes pinned from saved tilings, shapes in the steps); CUDA only
+        # (decode GEMV shapes pinned from saved tilings, shapes in the steps, the file); CUDA only
+        self.pinned_tilings: tuple[int, int, Path | None] = (0, 0, None)
 
     # ---- construction ------------------------------------------------------------------------
 
