@@ -305,7 +305,7 @@ def test_multi_turn_conversations_hit_the_prompt_cache(tmp_path, capsys):
                      "--turn-len", "10", "--output-len", "4", "--json", str(out)) == 0
     report = json.loads(out.read_text())
     later = report["per_turn"][1:]
-    assert report["rounds"] == 2 and all(t["sessions"] == 4 for t in report["per_turn"])  # two rounds of two
+    assert report["rounds"] == 2 and all(t["conversations"] == 4 for t in report["per_turn"])  # two rounds of two
     assert all(t["failed"] == 0 for t in report["per_turn"]) and report["per_turn"][0]["cached_tokens"] == 0
     assert all(t["cached_tokens"] >= t["reusable_tokens"] - 16 - 4 for t in later)  # all but the reply and a block
     assert report["hit_rate"] > 0.7

@@ -59,11 +59,14 @@ def test_a_machine_without_tilings_of_its_own_takes_the_shipped_ones(monkeypatch
     dt.save_tilings({A: tiling(3)}, cpu, torch.bfloat16, shipped)
     monkeypatch.setattr(dt, "SHIPPED_TILINGS", shipped)
     monkeypatch.setenv("QAT4_TILINGS", str(own))
-    assert dt.tilings_for(cpu, torch.bfloat16) == ({A: tiling(3)}, shipped)
-    assert dt.tilings_for(cpu, torch.float16) == ({}, own)  # none shipped for this dtype: the autotuner's
-    dt.save_tilings({A: tiling(1)}, cpu, torch.bfloat16)  # once the machine tunes, its own win
-    assert dt.tilings_for(cpu, torch.bfloat16) == ({A: tiling(1)}, own)
-    assert dt.pinned_tilings_note(1, 1, shipped) == f"decode GEMV tilings: 1 of 1 shapes pinned from {shipped}"
+    assert dt.tilings_for(cpu, torch.bfloat16) == ({A: tiling(3)}, (shipped,))
+    assert dt.tilings_for(cpu, torch.float16) == ({}, ())  # none shipped for this dtype: the autotuner's
+    dt.save_tilings({A: tiling(1), B: tiling(2)}, cpu, torch.bfloat16)  # once the machine tunes, its own win
+    assert dt.tilings_for(cpu, torch.bfloat16) == ({A: tiling(1), B: tiling(2)}, (own, shipped))
+    dt.save_tilings({B: tiling(2)}, cpu, torch.bfloat16)  # shapes of another model: the shipped ones stay
+    assert dt.tilings_for(cpu, torch.bfloat16) == ({A: tiling(3), B: tiling(2)}, (own, shipped))
+    note = dt.pinned_tilings_note(2, 2, (own, shipped))
+    assert note == f"decode GEMV tilings: 2 of 2 shapes pinned from {own} and {shipped}"
 
 
 def test_the_shipped_tilings_cover_the_decode_step_of_e2b_on_an_h200():

@@ -22,7 +22,7 @@ class TurnReport:
     cache."""
 
     turn: int
-    sessions: int  # conversations timed at this turn: the sessions of every round
+    conversations: int  # timed at this turn: the sessions of every round
     failed: int
     prompt_tokens: float  # mean over the conversations
     cached_tokens: float  # mean over the conversations
@@ -107,7 +107,7 @@ def run_multi_turn(workload: Workload, turns: int, sessions: int, turn_len: int,
         news = [new_only[s][t] for s in range(total) if new_only[s][t] is not None and new_only[s][t].ok]
         per = max(1, len(ok))
         reports.append(TurnReport(
-            turn=t + 1, sessions=total, failed=total - len(ok),
+            turn=t + 1, conversations=total, failed=total - len(ok),
             prompt_tokens=sum(warm[s][t].input_tokens for s in ok) / per,
             cached_tokens=sum(warm[s][t].cached_tokens for s in ok) / per,
             reusable_tokens=sum(warm[s][t - 1].input_tokens for s in ok if t) / per,

@@ -354,6 +354,6 @@ def _measure_turns(args: argparse.Namespace, url: str, model: str | None, server
             "input_len": args.input_len, "turn_len": args.turn_len, "output_len": args.output_len,
             "qat4_commit": qat4_commit(), "hit_rate": hit_rate(turns),
             "per_turn": [asdict(t) for t in turns]}, indent=2))
-    if all(t.failed == t.sessions for t in turns):
+    if all(t.failed == t.conversations for t in turns):
         raise Qat4Error("every request of the conversations failed")
     return 0

@@ -80,11 +80,11 @@ def _build(engine_class: type[Engine], packed: PackedModel, device: torch.device
                           keep_hidden=assistant is not None)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the load's transient blocks: under a cap, reserved bytes count, not live ones
-        saved, source = tilings_for(device, resolved.dtype)
+        saved, sources = tilings_for(device, resolved.dtype)
         model.tilings.pin(saved)
         reserve_workspace(engine)
         launched = model.tilings.launched()  # the decode steps' GEMV shapes, captured just now
-        engine.pinned_tilings = (sum(key in saved for key in launched), len(launched), source)
+        engine.pinned_tilings = (sum(key in saved for key in launched), len(launched), sources)
     if assistant is not None:
         from qat4.assistant import Gemma4Assistant
         from qat4.engine.mtp import MTPDrafter

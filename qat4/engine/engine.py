@@ -53,9 +53,11 @@ from qat4.model import Gemma4
 class CheckedIds(list):
     """A prompt's token ids that :meth:`Engine.encode` found all below ``vocab_size``: a server
     encodes and checks a prompt off its event loop, and the engine thread's :meth:`Engine.add_request`
-    then takes the ids without a second pass over them (some 0.7 ms for 8,000 ids on a slow host)."""
+    then takes the ids without a second pass over them (some 0.7 ms for 8,000 ids on a slow host).
+    Made by :meth:`Engine.encode` only; ``vocab_size`` None (a copy made any other way) marks ids
+    not checked."""
 
-    def __init__(self, ids, vocab_size: int):
+    def __init__(self, ids=(), vocab_size: int | None = None):
         super().__init__(ids)
         self.vocab_size = vocab_size
 
@@ -98,8 +100,8 @@ class Engine:
         self.assistant = None  # the MTP drafter's model, when the engine drafts with one
         self._in_flight = None
         self._verify_started = None  # (time of the read before, sequences, drafts) of a verifying step in flight
-        # (decode GEMV shapes pinned from saved tilings, shapes in the steps, the file); CUDA only
-        self.pinned_tilings: tuple[int, int, Path | None] = (0, 0, None)
+        # (decode GEMV shapes pinned from saved tilings, shapes in the steps, the files); CUDA only
+        self.pinned_tilings: tuple[int, int, tuple[Path, ...]] = (0, 0, ())
 
     # ---- construction ------------------------------------------------------------------------
 
@@ -160,7 +162,7 @@ class Engine:
 
     # ---- prompts and parameters --------------------------------------------------------------
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int]) -> CheckedIds:
         """Token ids of a prompt: text is encoded with exactly one leading <bos>; ids pass through,
         checked against the vocabulary. Returns :class:`CheckedIds` (a new list), which a later
         :meth:`add_request` takes without checking its ids again."""
@@ -174,7 +176,9 @@ class Engine:
             ids = CheckedIds([bos, *ids[start:]], vocab)
             if max(ids) < vocab and bos >= 0:  # a tokenizer's ids are ints from 0 on: one pass in C
                 return ids
-        elif isinstance(prompt, CheckedIds) and prompt.vocab_size <= vocab:
+        elif isinstance(prompt, CheckedIds) and prompt.vocab_size is not None and prompt.vocab_size <= vocab:
+            if not prompt:
+                raise Qat4Error("the prompt is empty")
             return CheckedIds(prompt, prompt.vocab_size)
         else:
             ids = CheckedIds(prompt, vocab)
@@ -404,7 +408,7 @@ class Engine:
         None for the first token, which nothing predicts."""
         if not 0 <= k <= TOP_LOGPROBS:
             raise Qat4Error(f"k is {k}; it must be between 0 and {TOP_LOGPROBS}")
-        ids = self.encode(list(token_ids))
+        ids = self.encode(token_ids)
         hidden = self._read_alone(ids)
         scored: list[TokenLogprobs | None] = [None]
         for start in range(0, len(ids) - 1, self.max_num_seqs):
@@ -420,7 +424,7 @@ class Engine:
         """Final-normed hidden states [len, D] of a fresh sequence, every position (one full
         prefill, in chunks of prefill_chunk), beside whatever else the engine runs; PoolBusy when
         the KV pool has no room for it beside the running sequences."""
-        ids = self.encode(list(token_ids))
+        ids = self.encode(token_ids)
         if len(ids) > self.max_ctx:
             raise Qat4Error(f"{len(ids)} tokens are more than the context of {self.max_ctx} (max_ctx)")
         self.scheduler.check_fits(len(ids), 0)

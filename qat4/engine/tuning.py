@@ -8,10 +8,10 @@ tilings in use and, shape by shape (the most weight bytes first), tries each can
 capturing the step anew and timing its graph replays; a candidate replaces the current tiling only
 when the step gets faster by more than ``margin``. The winners are pinned in the model's tilings
 (:meth:`qat4.ops.w4.tiling.MatvecTilings.pin`) and can be saved per GPU, dtype and Triton version
-(:func:`save_tilings`) and pinned again at the next load (:func:`load_tilings`). A machine with no
-tilings of its own saved takes those qat4 ships for its GPU, dtype and Triton version, if any
+(:func:`save_tilings`) and pinned again at the next load (:func:`load_tilings`). Shapes a machine
+has no tilings of its own for take those qat4 ships for its GPU, dtype and Triton version, if any
 (``qat4/data/decode_tilings.json``, found by this descent on E2B's shapes: the tilings depend on
-the shapes, never on the weights' values); :func:`tilings_for` picks.
+the shapes, never on the weights' values); :func:`tilings_for` merges them.
 """
 
 from __future__ import annotations
@@ -131,11 +131,12 @@ def tilings_path() -> Path:
     return Path(os.environ.get("QAT4_TILINGS") or Path.home() / ".cache" / "qat4" / "decode_tilings.json")
 
 
-def pinned_tilings_note(pinned: int, shapes: int, source: Path | None = None) -> str:
+def pinned_tilings_note(pinned: int, shapes: int, sources: tuple[Path, ...] = ()) -> str:
     """What an engine took from the saved tilings (:attr:`qat4.engine.Engine.pinned_tilings`: from
-    ``source``, by default :func:`tilings_path`), and what to do when it did not cover the decode
-    steps."""
-    note = f"decode GEMV tilings: {pinned} of {shapes} shapes pinned from {source or tilings_path()}"
+    the files ``sources``, by default :func:`tilings_path`), and what to do when it did not cover
+    the decode steps."""
+    files = " and ".join(map(str, sources or (tilings_path(),)))
+    note = f"decode GEMV tilings: {pinned} of {shapes} shapes pinned from {files}"
     if pinned < shapes:
         note += ", the rest autotuned (step times then vary from run to run; `qat4 bench --tune` saves tilings for every shape)"
     return note
@@ -173,13 +174,10 @@ def load_tilings(device: torch.device, dtype: torch.dtype, path: Path | None = N
     return {tuple(json.loads(shape)): tiling for shape, tiling in saved.items()}
 
 
-def tilings_for(device: torch.device, dtype: torch.dtype) -> tuple[Tilings, Path]:
-    """The tilings an engine pins and the file they come from: this machine's own
-    (:func:`tilings_path`), else those qat4 ships for the same GPU, dtype and Triton version (module
-    docstring), else none."""
-    own = tilings_path()
-    saved = load_tilings(device, dtype, own)
-    if saved:
-        return saved, own
-    shipped = load_tilings(device, dtype, SHIPPED_TILINGS)
-    return (shipped, SHIPPED_TILINGS) if shipped else ({}, own)
+def tilings_for(device: torch.device, dtype: torch.dtype) -> tuple[Tilings, tuple[Path, ...]]:
+    """The tilings an engine pins and the files they come from: this machine's own
+    (:func:`tilings_path`), and for shapes it has none of, those qat4 ships for the same GPU, dtype
+    and Triton version (module docstring)."""
+    own, shipped = (load_tilings(device, dtype, path) for path in (tilings_path(), SHIPPED_TILINGS))
+    sources = tuple(path for path, table in ((tilings_path(), own), (SHIPPED_TILINGS, shipped)) if table)
+    return {**shipped, **own}, sources

@@ -190,7 +190,7 @@ def _norm_rope_row(
     tl.store(Y + HALF + j, hi.to(dt), mask=ok)
 
 
-@triton.jit(do_not_specialize=["Pos", "Slots"])
+@triton.jit(do_not_specialize=["Pos", "Slots", "Table"])
 def _qkv_norm_rope_kernel(
     Q, K, V, QO, KO, VO, QW, KW, CS, Pos, Slots, Table,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qat4.chat import Reply, ReplyEvent, ReplyStream
+from qat4.engine.engine import CheckedIds
 from qat4.engine.logprobs import TokenLogprobs
 from qat4.errors import Qat4Error
 from qat4.server.chat_prompt import ChatPrompt, build_chat_prompt
@@ -159,7 +160,7 @@ class Completions:
                                 seed=req.seed, stop=tuple(req.stop_strings()), ignore_eos=req.ignore_eos,
                                 logprobs=logprobs)
 
-    def _encode(self, prompt: str | list[int], param: str) -> list[int]:
+    def _encode(self, prompt: str | list[int], param: str) -> CheckedIds:
         try:
             return self.engine.encode(prompt)
         except Qat4Error as exc:

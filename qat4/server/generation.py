@@ -262,7 +262,9 @@ class EngineLoop:
                                f"The engine stopped after an error ({self.failure}); restart the server.")
 
     def submit(self, prompt_ids: list[int], params: GenerationParams, decode: Callable[[list[int]], str]) -> Generation:
-        """Queue a generation (raises QueueFull when every waiting place is taken)."""
+        """Queue a generation (raises QueueFull when every waiting place is taken). ``prompt_ids``
+        is kept, not copied (Engine.encode's list, which add_request takes without a second check):
+        the caller must not change it."""
         with self._cond:
             self._check_open()
             scheduler = self.engine.scheduler
@@ -272,7 +274,7 @@ class EngineLoop:
                 self.metrics.rejected.inc()
                 waiting = max(0, ahead - room)
                 raise QueueFull(max(1, math.ceil(self._seconds_per_request * (waiting + 1) / max(1, len(scheduler.running)))))
-            job = _Job(prompt_ids, params, asyncio.get_running_loop(), asyncio.Queue())  # Engine.encode's own list
+            job = _Job(prompt_ids, params, asyncio.get_running_loop(), asyncio.Queue())
             self._inbox.append(job)
             self._cond.notify()
         return Generation(self, job, decode)

@@ -217,5 +217,5 @@ def test_decode_tuning_saves_tilings_that_the_next_load_pins(tmp_path, monkeypat
     again = Engine.load(folder, "cuda", max_ctx=512)  # its model's tilings start empty: only the file pins them
     now = again.model.tilings.launched()
     assert all(now[key] == tiling for key, tiling in saved.items())
-    assert again.pinned_tilings == (len(saved), len(now), tmp_path / "tilings.json")
+    assert again.pinned_tilings[:2] == (len(saved), len(now)) and tmp_path / "tilings.json" in again.pinned_tilings[2]
     assert len(again.generate([2, 5, 6], max_new_tokens=8, temperature=0, stop_token_ids=[]).tokens) == 8
