@@ -274,12 +274,15 @@ class KVPool:
             return 0
         bs = self.block_size
         restart = min(len(hashes), (limit - 1) // bs)
-        full = self.allocators[FULL].lookup_run(hashes[:restart]) if FULL in self.allocators else None
-        if full is not None:
+        if FULL in self.allocators:
+            full = self.allocators[FULL].lookup_run(hashes[:restart])
             restart = len(full)
         if SLIDING in self.allocators:
             sliding = self.allocators[SLIDING]
-            while restart and len(sliding.lookup_run(hashes[(first := self._first_kept(restart * bs)):restart])) < restart - first:
+            while restart:  # back off until the restart point's window is cached whole
+                first = self._first_kept(restart * bs)
+                if len(sliding.lookup_run(hashes[first:restart])) == restart - first:
+                    break
                 restart -= 1
         for kind, alloc in self.allocators.items():
             start = self._first_kept(restart * bs) if kind == SLIDING else 0

@@ -178,6 +178,6 @@ def tilings_for(device: torch.device, dtype: torch.dtype) -> tuple[Tilings, tupl
     """The tilings an engine pins and the files they come from: this machine's own
     (:func:`tilings_path`), and for shapes it has none of, those qat4 ships for the same GPU, dtype
     and Triton version (module docstring)."""
-    own, shipped = (load_tilings(device, dtype, path) for path in (tilings_path(), SHIPPED_TILINGS))
-    sources = tuple(path for path, table in ((tilings_path(), own), (SHIPPED_TILINGS, shipped)) if table)
-    return {**shipped, **own}, sources
+    paths = (tilings_path(), SHIPPED_TILINGS)
+    own, shipped = (load_tilings(device, dtype, path) for path in paths)
+    return {**shipped, **own}, tuple(path for path, table in zip(paths, (own, shipped)) if table)
