@@ -290,10 +290,25 @@ def progress(line: str) -> None:
     print(f"[bench] {line}", file=sys.stderr, flush=True)
 
 
+class _StepClock:
+    """A logits processor that notes the time (the device drained) each time transformers'
+    ``generate`` has a step's logits: the intervals after the first are its decode steps."""
+
+    def __init__(self, device: torch.device, times: list[float]):
+        self.device, self.times = device, times
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
 @torch.no_grad()
 def run_hf_peer(packed, device: torch.device, prompt: int, new: int, report: BenchReport, log=print) -> dict:
     """transformers' Gemma4ForCausalLM (bf16, eager attention, dynamic cache) on the same weights:
     decode tok/s after a 16-token prompt, prompt tok/s, and qat4's ratios over both."""
+    from transformers import LogitsProcessorList
+
     from qat4.reference import cast, hf_model
 
     if device.type == "cuda":  # the peer's own peak, not the engine's (the caller dropped the engine)
@@ -305,12 +320,15 @@ def run_hf_peer(packed, device: torch.device, prompt: int, new: int, report: Ben
     g = torch.Generator().manual_seed(1)
     short = torch.randint(3, packed.config.vocab_size, (1, 16), generator=g).to(device)
 
-    def generate(n: int) -> None:
-        hf.generate(short, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    def generate(n: int, clock: list[float] | None = None) -> None:
+        hf.generate(short, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                    logits_processor=None if clock is None else LogitsProcessorList([_StepClock(device, clock)]))
 
     log(f"transformers: decoding {new} tokens")
     generate(2)
-    decode_s = (_timed(device, lambda: generate(new)) - _timed(device, lambda: generate(1))) / (new - 1)
+    clock: list[float] = []
+    generate(new, clock)
+    decode_s = (clock[-1] - clock[0]) / (len(clock) - 1)  # the steps after the first: decoding alone
     ids = torch.randint(3, packed.config.vocab_size, (1, prompt), generator=g).to(device)
     log(f"transformers: reading a {prompt}-token prompt")
     hf(ids[:, :16])
