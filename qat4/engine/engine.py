@@ -173,8 +173,9 @@ class Engine:
             bos = self.config.bos_token_id
             ids = self.tokenizer.encode(prompt)
             start = next((i for i, t in enumerate(ids) if t != bos), len(ids))
-            ids = CheckedIds([bos, *ids[start:]], vocab)
-            if max(ids) < vocab and bos >= 0:  # a tokenizer's ids are ints from 0 on: one pass in C
+            ids = CheckedIds(ids if start == 1 else [bos, *ids[start:]], vocab)  # start 1: the text's own <bos>
+            # a tokenizer's ids are ints from 0 up to its vocabulary: within the model's, or one pass in C
+            if bos >= 0 and (self.tokenizer.vocab_size <= vocab or max(ids) < vocab):
                 return ids
         elif isinstance(prompt, CheckedIds) and prompt.vocab_size is not None and prompt.vocab_size <= vocab:
             if not prompt:
