@@ -13,7 +13,7 @@ from qat4.checkpoint.synth import synthetic_model
 from qat4.config import TINY
 from qat4.engine import Engine
 from qat4.engine.kv_cache import BlockAllocator
-from qat4.engine.prefix import extend_block_hashes
+from qat4.engine.prefix import RecentChains, extend_block_hashes, shared_blocks
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -135,6 +135,54 @@ def test_the_allocator_caches_named_blocks_and_evicts_the_oldest_tails_first():
     assert extend_block_hashes([], [0, 1, 2, 4] + list(range(4, 12)), 4, 3)[0] != names[0]
 
 
+def test_recent_chains_name_a_prompt_as_hashing_it_does():
+    """Names taken from a finished sequence's chain are the names hashing gives, whether the prompt
+    extends that sequence, leaves it mid-block or mid-way, or is shorter; a prompt that starts
+    otherwise hashes everything; the oldest chains go once more tokens than the bound are kept."""
+    recent = RecentChains(4, max_tokens=40)
+    done = tokens(30, 1)
+    recent.remember(done, extend_block_hashes([], done, 4, 7))
+    for prompt in (done + tokens(9, 2), done[:13] + [1] + done[14:], done[:10], tokens(20, 3), done[:28]):
+        n = len(prompt) // 4
+        assert recent.names(prompt, n) == extend_block_hashes([], prompt, 4, n)
+    assert shared_blocks(done + [5], done[:17] + [5], 4, 4) == 4 and shared_blocks(done, done[:5] + [0], 4, 1) == 1
+    later = tokens(20, 4)
+    recent.remember(later, extend_block_hashes([], later, 4, 5))  # 48 tokens held: the first chain goes
+    seen = []
+    hashing = extend_block_hashes
+
+    def counting(hashes, toks, bs, n):
+        seen.append(n - len(hashes))
+        return hashing(hashes, toks, bs, n)
+
+    import qat4.engine.prefix as prefix
+    prefix.extend_block_hashes, old = counting, prefix.extend_block_hashes
+    try:
+        recent.names(done + [7], 7)
+        recent.names(later + [7] * 8, 7)
+    finally:
+        prefix.extend_block_hashes = old
+    assert seen == [7, 2]  # the first chain is gone; the second gives its 5 blocks
+
+
+def test_a_chats_next_turn_hashes_only_its_new_blocks(packed, monkeypatch):
+    """The engine names turn 2 of a conversation from turn 1's chain: only the blocks after what
+    the two share are hashed, and the hit is the one hashing everything gives."""
+    import qat4.engine.prefix as prefix
+
+    engine = make_engine(packed)
+    turn1 = [TINY.bos_token_id] + tokens(37, 5)
+    (out, _, _), = run(engine, [turn1])
+    hashed = []
+    hashing = prefix.extend_block_hashes
+    monkeypatch.setattr(prefix, "extend_block_hashes",
+                        lambda h, t, bs, n: hashed.append(n - len(h)) or hashing(h, t, bs, n))
+    turn2 = turn1 + out + tokens(11, 6)
+    (_, _, cached), = run(engine, [turn2])
+    shared = len(turn1 + out) - 1  # the last token of turn 1 was picked, never fed
+    assert hashed[0] == len(turn2) // 4 - shared // 4 and cached == shared // 4 * 4
+
+
 # ---- the scheduler's admission with a hit, on the pool alone -------------------------------------
 
 
@@ -172,11 +220,10 @@ def test_a_failed_admission_leaves_no_table_entry_behind(monkeypatch):
     """A hit attached to a slot and given back (the admission failed) sends nothing for that slot: a
     later owner's entries are the only ones the table gets (duplicate entries in one index_put_
     are undefined on CUDA)."""
-    from qat4.engine import kv_cache
-
     sent = []
-    monkeypatch.setattr(kv_cache, "to_device", lambda host, device: sent.append(host.clone()) or host)
     pool, scheduler = pool_and_scheduler(window=8, block_size=4, chunk=8, max_seqs=2)
+    send = pool.uploads.send
+    monkeypatch.setattr(pool.uploads, "send", lambda rows, dst: sent.append(send(rows, dst).clone()) or dst)
     read_all(scheduler, seq([2] + tokens(23, 60)))
     pool.flush()
     slot = pool.open_slot()

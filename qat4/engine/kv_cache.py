@@ -32,7 +32,6 @@ entries once per step (:meth:`KVPool.flush`).
 from __future__ import annotations
 
 import math
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from itertools import count, repeat
@@ -40,14 +39,8 @@ from itertools import count, repeat
 import torch
 
 from qat4.config import FULL, SLIDING, Gemma4Config
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without making the host wait: on CUDA through pinned memory
-    (PyTorch's pinned allocator keeps the block until the copy has run), as is elsewhere."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+from qat4.engine.prefix import RecentChains
+from qat4.engine.uploads import Uploader
 
 
 class PoolExhausted(Exception):
@@ -210,6 +203,9 @@ class KVPool:
         self._free_slots = list(range(max_seqs - 1, -1, -1))
         self._updates: dict[str, list[tuple[int, int, int]]] = {kind: [] for kind in blocks}
         self.blocks = dict(blocks)
+        self.uploads = Uploader(device)  # every host-to-device copy of the engine's steps
+        self.recent = RecentChains(block_size) if prompt_cache else None  # names a chat's next turn reuses
+        self._flush_index = torch.empty(3 * 64, dtype=torch.int64, device=device)
 
     # ---- facts ---------------------------------------------------------------------------------
 
@@ -370,8 +366,17 @@ class KVPool:
         for kind, updates in self._updates.items():
             if updates:
                 last = {(slot, i): block for slot, i, block in updates}
-                rows = array("q", [value for (slot, i), block in last.items() for value in (slot, i, block)])
-                # from a buffer: torch.tensor takes 0.3 ms to read the 1,500 ints of a long prompt cache hit
-                index = to_device(torch.frombuffer(rows, dtype=torch.int64).view(-1, 3).T, self.device)
+                entries = list(last)
+                rows = [[slot for slot, _ in entries], [i for _, i in entries], list(last.values())]
+                index = self.uploads.send(rows, self._index_buffer(len(entries)))
                 self.tables[kind].index_put_((index[0], index[1]), index[2].to(torch.int32))
                 updates.clear()
+
+    def _index_buffer(self, n: int) -> torch.Tensor:
+        """A device int64 [3, n] for n table entries (slot, index, block) of a flush: a view of one
+        buffer that grows when a flush needs more (each flush's copy into it is ordered after the
+        last one's read, on the one stream)."""
+        if self._flush_index.numel() < 3 * n:
+            self._flush_index = torch.empty(max(3 * n, 2 * self._flush_index.numel()), dtype=torch.int64,
+                                            device=self.device)
+        return self._flush_index[: 3 * n].view(3, n)

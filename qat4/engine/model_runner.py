@@ -59,7 +59,7 @@ from typing import NamedTuple
 
 import torch
 
-from qat4.engine.kv_cache import KVPool, to_device
+from qat4.engine.kv_cache import KVPool
 from qat4.engine.logprobs import TokenLogprobs, read_scores, score, score_buffers, top_width
 from qat4.engine.sampler import SamplingParams, keep_shape, mask_logits, sample
 from qat4.engine.sequence import Sequence
@@ -244,8 +244,15 @@ class ModelRunner:
         """The allowed-token bitmasks [len(slots), W] int32 of constrained sequences into their
         slots (bit j of word i allows token 32 i + j), for the next pick enqueued: a step's, or a deferred
         one's (:meth:`finish_pick`)."""
-        index = to_device(torch.tensor(slots, dtype=torch.int64), self.device)
-        self.allowed.index_copy_(0, index, to_device(bitmasks, self.device))
+        index = self._upload([slots])[0]
+        if self.device.type == "cuda":  # from pinned memory, whose allocator keeps the block until the copy has run
+            bitmasks = bitmasks.pin_memory().to(self.device, non_blocking=True)
+        self.allowed.index_copy_(0, index, bitmasks)
+
+    def _upload(self, rows: list[list[int]]) -> torch.Tensor:
+        """Rows of as many ints each, as a new int64 tensor [len(rows), len(rows[0])] on the device."""
+        return self.pool.uploads.send(rows, torch.empty((len(rows), len(rows[0])), dtype=torch.int64,
+                                                        device=self.device))
 
     def keep_for(self, seqs: list[Sequence]) -> int:
         """The sampling shape (:func:`qat4.engine.sampler.keep_shape`) serving these sequences."""
@@ -380,7 +387,7 @@ class ModelRunner:
             positions += range(s.length - 1, s.length + k)
             slots += [s.slot] * q
         rows = [ids + [0] * pad, positions + [0] * pad, slots + [self.pool.scratch_row] * pad]
-        self._meta[:, : b * q].copy_(to_device(torch.tensor(rows, dtype=torch.int64), self.device))
+        self.pool.uploads.send(rows, self._meta)
         self.replay(b, q, 0 if defer_pick else keep, masked and not defer_pick, scored and not defer_pick)
         return self._decoded[: n * q], tuple(t[: n * q] for t in self._scores) if scored else None
 
@@ -389,8 +396,8 @@ class ModelRunner:
         """Eager forward of prompt chunks (sequence, tokens from ``num_computed`` on), every id
         known on the host -> (hidden [T, D], positions [T], slots [T])."""
         ids, positions, slots, cu, rows = flat_chunks(chunks)
-        flat = to_device(torch.tensor([ids, positions, slots], dtype=torch.int64), self.device)
-        seq_meta = to_device(torch.tensor(cu + rows, dtype=torch.int64), self.device)
+        flat = self._upload([ids, positions, slots])
+        seq_meta = self._upload([cu + rows])[0]
         max_q = max(n for _, n in chunks)
         max_keys = max(seq.num_computed + n for seq, n in chunks)
         batch = self._batch(flat[2], flat[1], seq_meta[: len(cu)], seq_meta[len(cu) :], max_q, max_keys)
@@ -411,7 +418,7 @@ class ModelRunner:
             self.forward_chunks(chunks)
             return torch.zeros(0, dtype=torch.int64, device=self.device), None
         last = list(itertools.accumulate(n for _, n in chunks))  # each chunk's last row + 1
-        ends = to_device(torch.tensor([last[i] - 1 for i in sampled]), self.device)
+        ends = self._upload([[last[i] - 1 for i in sampled]])[0]
         h, positions, slots = self.forward_chunks(chunks)
         scores = score_buffers(len(sampled), self.top, self.device) if scored else None
         return self._pick_ends(h, positions, ends, slots[ends], keep, masked, scores), scores
@@ -481,8 +488,8 @@ class ModelRunner:
         meta = [ids + [0] * pad, [*positions, *(p % self.max_ctx for p in range(pad))], slots + [scratch] * pad]
         fields = (cu + [cu[-1]] * empty + rows + [scratch] * empty + [cu[i + 1] - 1 for i in sampled]
                   + [t - 1] * unpicked + [chunks[i][0].slot for i in sampled] + [scratch] * unpicked)
-        self._chunk_meta[:, :t].copy_(to_device(torch.tensor(meta, dtype=torch.int64), self.device))
-        self._chunk_seqs[: 4 * s + 1].copy_(to_device(torch.tensor(fields, dtype=torch.int64), self.device))
+        self.pool.uploads.send(meta, self._chunk_meta)
+        self.pool.uploads.send([fields], self._chunk_seqs.view(1, -1))
         if self.use_graph:
             self.chunk_graphs[(t, s, keep, masked, scored)].replay()
         else:

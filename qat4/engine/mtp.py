@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from qat4.assistant import Gemma4Assistant
-from qat4.engine.kv_cache import to_device
 from qat4.engine.model_runner import ModelRunner, capture_graph
 from qat4.engine.sequence import Sequence
 from qat4.engine.speculation import COST_DEPTH
@@ -67,7 +66,7 @@ class MTPDrafter:
         pad = b - n
         rows = [[s.newest_known for s in seqs] + [0] * pad, [s.length - 1 for s in seqs] + [1] * pad,
                 [s.slot for s in seqs] + [self.runner.pool.scratch_row] * pad]
-        self._meta[:, :b].copy_(to_device(torch.tensor(rows, dtype=torch.int64), self.runner.device))
+        self.runner.pool.uploads.send(rows, self._meta)
         self._run(b, k)
         return self._drafts[:n, :k].tolist()
 

@@ -127,7 +127,7 @@ class Scheduler:
         the tokens of its first chunk (0: not admitted)."""
         pool, bs, spare = self.pool, self.pool.block_size, len(self.running)
         slot = pool.open_slot()
-        hit = pool.attach_prefix(slot, seq.block_hashes(bs, seq.num_known), seq.num_known)
+        hit = pool.attach_prefix(slot, seq.block_hashes(bs, seq.num_known, pool.recent), seq.num_known)
         seq.num_computed = hit
         n = self._chunk(seq, budget)
 
@@ -185,7 +185,10 @@ class Scheduler:
             return
         if seq.state is State.RUNNING:
             self.running.remove(seq)
-            self.pool.close_slot(seq.slot, seq.computed_block_hashes(self.pool.block_size))
+            names = seq.computed_block_hashes(self.pool.block_size)
+            self.pool.close_slot(seq.slot, names)
+            if self.pool.recent is not None:
+                self.pool.recent.remember(seq.tokens, names)
         else:
             self.waiting.remove(seq)
         seq.state, seq.slot, seq.constraint = State.FINISHED, None, None  # the grammar state goes with it

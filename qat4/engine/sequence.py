@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 
 from qat4.engine.logprobs import TokenLogprobs
-from qat4.engine.prefix import extend_block_hashes
+from qat4.engine.prefix import RecentChains, extend_block_hashes
 from qat4.engine.sampler import SamplingParams
 
 _ids = itertools.count()
@@ -130,12 +130,15 @@ class Sequence:
         """Whether its next token is picked under a constraint's mask."""
         return self.constraint is not None and self.constraint.active
 
-    def block_hashes(self, block_size: int, n_tokens: int) -> list[bytes]:
+    def block_hashes(self, block_size: int, n_tokens: int, recent: RecentChains | None = None) -> list[bytes]:
         """Names (:mod:`qat4.engine.prefix`) of the blocks within the first ``n_tokens`` known
-        tokens."""
+        tokens; the first names it makes are taken from ``recent`` as far as it has them."""
         n = min(n_tokens, self.num_known) // block_size
         if n > len(self._hashes):
-            extend_block_hashes(self._hashes, self.tokens, block_size, n)
+            if recent is not None and not self._hashes:
+                self._hashes = recent.names(self.tokens, n)
+            else:
+                extend_block_hashes(self._hashes, self.tokens, block_size, n)
         return self._hashes[:n]
 
     def computed_block_hashes(self, block_size: int) -> list[bytes]:
