@@ -19,7 +19,8 @@
 #              $TURNS_ROUNDS rounds each (default 3)
 #     eval     qat4 eval: all 1,319 GSM8K problems and the 400 BFCL simple questions against qat4 serve at 64
 #              clients, with their wall times (data from $EVAL_DATA, default ../shared/data; EVAL_TASKS picks)
-#     spec     qat4 bench speculative: verification cost and speed-up at acceptance 0 .. 0.9, batch 1 and 16
+#     spec     qat4 bench speculative: verification cost and speed-up at acceptance 0 .. 0.9, batch 1 and 16, 256 new
+#              tokens a sequence ($SPEC_NEW); $SPEC_KS picks the draft counts
 #     mtp      the same with a synthetic E2B MTP drafter: its drafts' cost, paid in every replayed step
 #     grammar  the decode step with every row constrained by a JSON schema against unconstrained, at 1 and 16 rows
 #              (tools/bench_grammar.py --engine)
@@ -110,7 +111,7 @@ if want eval; then
 fi
 if want spec; then
     timeout ${SPEC_TIMEOUT:-300} python3 -m qat4.cli bench speculative "${E2B[@]}" --batch 1,16 --acceptance 0,0.3,0.5,0.7,0.9 \
-        --k ${SPEC_KS:-1,2,3,4,6,8} --new 128 --context 512 --json "$LOGS/bench_spec.json" 2>&1 | tee "$LOGS/bench_spec.log" | tail -40
+        --k ${SPEC_KS:-1,2,3,4,6,8} --new ${SPEC_NEW:-256} --context 512 --json "$LOGS/bench_spec.json" 2>&1 | tee "$LOGS/bench_spec.log" | tail -40
 fi
 if want mtp; then
     python3 -m qat4.cli synth --assistant --preset e2b --out /tmp/qat4_mtp_e2b --force >/dev/null
