@@ -103,6 +103,11 @@ class Tokenizer:
         """Number of token ids, added tokens included."""
         return self._hf.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def id_limit(self) -> int:
+        """One past the largest id it gives (its vocabulary size, unless its ids have gaps)."""
+        return max(self._hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in the text (`<|turn>`, ...) map to their ids."""
         ids = self._pieces.encode(text) if self._pieces is not None else self._hf.encode(text, add_special_tokens=False).ids

@@ -82,13 +82,14 @@ def test_checked_ids_are_taken_without_a_second_check(engine):
 
 
 def test_text_is_checked_only_when_its_tokenizer_outgrows_the_model(engine, monkeypatch):
-    """A tokenizer's ids lie below its own vocabulary size: within the model's, a text prompt's ids
-    need no pass over them; a tokenizer larger than the model's vocabulary has them checked."""
+    """A tokenizer's ids lie below its id limit (its largest id + 1): within the model's vocabulary,
+    a text prompt's ids need no pass over them; a tokenizer whose ids reach past it (a larger
+    vocabulary, or one with gaps) has them checked."""
     tokenizer = engine.tokenizer
     monkeypatch.setattr(tokenizer, "encode", lambda text: [TINY.bos_token_id, 5, TINY.vocab_size - 1])
     assert engine.encode(PROMPT) == [TINY.bos_token_id, 5, TINY.vocab_size - 1]
     monkeypatch.setattr(tokenizer, "encode", lambda text: [TINY.bos_token_id, 5, TINY.vocab_size])
-    monkeypatch.setattr(type(tokenizer), "vocab_size", property(lambda self: TINY.vocab_size + 1))
+    monkeypatch.setattr(tokenizer, "id_limit", TINY.vocab_size + 1)
     with pytest.raises(Qat4Error, match=f"token id {TINY.vocab_size} is outside"):
         engine.encode(PROMPT)
 

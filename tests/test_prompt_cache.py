@@ -135,7 +135,7 @@ def test_the_allocator_caches_named_blocks_and_evicts_the_oldest_tails_first():
     assert extend_block_hashes([], [0, 1, 2, 4] + list(range(4, 12)), 4, 3)[0] != names[0]
 
 
-def test_recent_chains_name_a_prompt_as_hashing_it_does():
+def test_recent_chains_name_a_prompt_as_hashing_it_does(monkeypatch):
     """Names taken from a finished sequence's chain are the names hashing gives, whether the prompt
     extends that sequence, leaves it mid-block or mid-way, or is shorter; a prompt that starts
     otherwise hashes everything; the oldest chains go once more tokens than the bound are kept."""
@@ -156,12 +156,10 @@ def test_recent_chains_name_a_prompt_as_hashing_it_does():
         return hashing(hashes, toks, bs, n)
 
     import qat4.engine.prefix as prefix
-    prefix.extend_block_hashes, old = counting, prefix.extend_block_hashes
-    try:
-        recent.names(done + [7], 7)
-        recent.names(later + [7] * 8, 7)
-    finally:
-        prefix.extend_block_hashes = old
+
+    monkeypatch.setattr(prefix, "extend_block_hashes", counting)
+    recent.names(done + [7], 7)
+    recent.names(later + [7] * 8, 7)
     assert seen == [7, 2]  # the first chain is gone; the second gives its 5 blocks
 
 

@@ -298,3 +298,14 @@ def test_a_tokenizer_with_an_added_token_not_starting_with_a_bracket_encodes_who
     hf.add_tokens([AddedToken("[x]", normalized=False)])
     tok = Tokenizer(hf, bos_id=0, eos_id=1)
     assert tok._pieces is None and tok.encode("ab[x]ba") == hf.encode("ab[x]ba", add_special_tokens=False).ids
+
+
+def test_the_id_limit_is_one_past_the_largest_id_even_with_gaps():
+    """Engine.encode trusts a text prompt's ids when the tokenizer's id limit fits the model's
+    vocabulary; a vocabulary with gaps has fewer tokens than its largest id."""
+    import tokenizers
+    from tokenizers import models
+
+    hf = tokenizers.Tokenizer(models.WordLevel({"<bos>": 2, "<eos>": 1, "a": 0, "b": 9}, unk_token="a"))
+    tokenizer = Tokenizer(hf)
+    assert tokenizer.vocab_size == 4 and tokenizer.id_limit == 10

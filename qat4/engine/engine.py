@@ -174,8 +174,8 @@ class Engine:
             ids = self.tokenizer.encode(prompt)
             start = next((i for i, t in enumerate(ids) if t != bos), len(ids))
             ids = CheckedIds(ids if start == 1 else [bos, *ids[start:]], vocab)  # start 1: the text's own <bos>
-            # a tokenizer's ids are ints from 0 up to its vocabulary: within the model's, or one pass in C
-            if bos >= 0 and (self.tokenizer.vocab_size <= vocab or max(ids) < vocab):
+            # a tokenizer's ids are ints from 0 below its id limit: within the model's vocabulary, or one pass in C
+            if bos >= 0 and (self.tokenizer.id_limit <= vocab or max(ids) < vocab):
                 return ids
         elif isinstance(prompt, CheckedIds) and prompt.vocab_size is not None and prompt.vocab_size <= vocab:
             if not prompt:

@@ -205,7 +205,7 @@ class KVPool:
         self.blocks = dict(blocks)
         self.uploads = Uploader(device)  # every host-to-device copy of the engine's steps
         self.recent = RecentChains(block_size) if prompt_cache else None  # names a chat's next turn reuses
-        self._flush_index = torch.empty(3 * 64, dtype=torch.int64, device=device)
+        self._flush_index = torch.empty(0, dtype=torch.int64, device=device)  # grown by _index_buffer
 
     # ---- facts ---------------------------------------------------------------------------------
 
@@ -377,6 +377,6 @@ class KVPool:
         buffer that grows when a flush needs more (each flush's copy into it is ordered after the
         last one's read, on the one stream)."""
         if self._flush_index.numel() < 3 * n:
-            self._flush_index = torch.empty(max(3 * n, 2 * self._flush_index.numel()), dtype=torch.int64,
+            self._flush_index = torch.empty(max(3 * n, 2 * self._flush_index.numel(), 1024), dtype=torch.int64,
                                             device=self.device)
         return self._flush_index[: 3 * n].view(3, n)

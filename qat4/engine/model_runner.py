@@ -245,7 +245,7 @@ class ModelRunner:
         slots (bit j of word i allows token 32 i + j), for the next pick enqueued: a step's, or a deferred
         one's (:meth:`finish_pick`)."""
         index = self._upload([slots])[0]
-        if self.device.type == "cuda":  # from pinned memory, whose allocator keeps the block until the copy has run
+        if self.device.type == "cuda":  # int32 rows of a constrained step, through PyTorch's pinned allocator
             bitmasks = bitmasks.pin_memory().to(self.device, non_blocking=True)
         self.allowed.index_copy_(0, index, bitmasks)
 

@@ -27,7 +27,9 @@ Naming a chat's next turn. Its prompt is the last turn's tokens and a few new on
 all of it again costs a few µs a block (1.1 ms for 8,000 tokens on a slow host). :class:`RecentChains`
 keeps the tokens and names of the latest finished sequences under their first block's tokens: a
 prompt that starts like one of them takes the names of the blocks they share (found by comparing
-the token lists, in C) and hashes only the blocks after those.
+the token lists, in C) and hashes only the blocks after those. Conversations that open alike (one
+system prompt for every user) share that key, and the latest of them is the one compared: names
+stay exact whichever it is, only fewer come for free.
 """
 
 from __future__ import annotations
@@ -60,9 +62,9 @@ def extend_block_hashes(hashes: list[bytes], tokens: list[int], block_size: int,
 
 
 def shared_blocks(a: list[int], b: list[int], block_size: int, limit: int) -> int:
-    """How many of the first ``limit`` blocks of block_size tokens a and b have alike (limit: at
-    most as many as both hold in full). A binary search whose every comparison covers only the
-    blocks not yet known alike, so the tokens are compared about twice over at most."""
+    """How many leading blocks of block_size tokens a and b have alike, at most ``limit`` (no more
+    than both hold in full). A binary search whose every comparison covers only the blocks not yet
+    known alike, so the tokens are compared about twice over at most."""
     lo, hi = 0, limit  # blocks before lo are alike; the answer lies in [lo, hi]
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -83,14 +85,14 @@ class RecentChains:
         self._held = 0  # tokens named by the chains kept
 
     def remember(self, tokens: list[int], names: list[bytes]) -> None:
-        """A finished sequence's tokens (a list no longer changed) and the names of its first
-        len(names) blocks."""
+        """A finished sequence's tokens and the names of its first len(names) blocks (the tokens
+        of those blocks are kept)."""
         if not names:
             return
         key = tuple(tokens[: self.block_size])
         old = self._chains.pop(key, None)
         self._held += (len(names) - (len(old[1]) if old else 0)) * self.block_size
-        self._chains[key] = (tokens, names)
+        self._chains[key] = (tokens[: len(names) * self.block_size], names)
         while self._held > self.max_tokens and len(self._chains) > 1:
             _, (_, dropped) = self._chains.popitem(last=False)
             self._held -= len(dropped) * self.block_size

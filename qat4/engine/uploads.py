@@ -7,8 +7,8 @@ then a second copy into the step's buffer), and a speculating step pays it while
 (:mod:`qat4.engine.speculation`). An :class:`Uploader` writes the rows into one of a ring of
 pinned buffers it owns and copies that buffer into the destination with one asynchronous copy. A
 buffer is written again only after the copy out of it has run: each copy records an event, and
-the next use of the buffer waits for it (long past by then: the ring holds more copies than a step
-makes, and the host never runs more than a step ahead of the device).
+the next use of the buffer waits for it (long past by then: the ring holds more copies than two
+steps make, up to eight each, and the host never runs more than a step ahead of the device).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-RING = 8  # pinned buffers, used in turn
+RING = 16  # pinned buffers, used in turn
 MIN_INTS = 4096  # a buffer's smallest size, in int64
 
 
@@ -34,8 +34,8 @@ class Uploader:
 
     def send(self, rows: Sequence[Sequence[int]], dst: torch.Tensor) -> torch.Tensor:
         """``rows[r]`` into ``dst[r, :len(rows[r])]`` for dst [len(rows), C], a contiguous int64
-        tensor on the device; returns dst. The copy is enqueued on the current stream. dst's other
-        entries are overwritten with what the buffer held: a caller reads only the entries it sent."""
+        tensor on the device; returns dst. The copy is enqueued on the current stream. On a GPU dst's
+        other entries are overwritten with what the buffer held: a caller reads only the entries it sent."""
         if not self._pinned:
             host = dst.numpy()
             for r, row in enumerate(rows):

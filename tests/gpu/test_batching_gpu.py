@@ -15,7 +15,7 @@ import httpx
 import jsonschema
 import pytest
 import torch
-from engine_runs import run
+from engine_runs import record_logits, run
 
 from qat4.chat.grammars import grammars_for
 from qat4.checkpoint.synth import synthetic_model
@@ -54,21 +54,6 @@ def test_graph_replay_equals_eager_at_every_captured_batch_size(engine, eager):
     for b in engine.runner.sizes:
         batch = prompts(b, seed=b)
         assert run(engine, batch, 12, temperature=0) == run(eager, batch, 12, temperature=0), b
-
-
-def record_logits(engine):
-    seen = {}
-
-    def recording(h, slots, positions, keep, masked=False, scores=None):
-        owners = {s.slot: s for s in engine.scheduler.running}
-        logits = engine.model.logits(h)
-        for row, (slot, pos) in enumerate(zip(slots.tolist(), positions.tolist())):
-            if slot in owners:  # not a padded prompt step's pick on the scratch row
-                seen[(owners[slot].id, pos)] = logits[row].float().cpu()
-        return logits.argmax(-1)
-
-    engine.runner.pick = recording
-    return seen
 
 
 def test_rows_agree_with_the_same_sequence_alone(eager):
