@@ -22,7 +22,9 @@ from qat4.engine.kv_cache import sliding_blocks_per_seq
 from qat4.engine.sampler import SamplingParams, sample
 from qat4.ops.draws import uniforms
 from qat4.engine.sequence import Sequence, State
-from qat4.engine.speculation import PROBE_EVERY, PROBE_TOKENS, SPEC_MAX_BATCH, PromptLookup, Speculator, accepted_count
+from qat4.engine.speculation import (
+    PROBE_BACKOFF, PROBE_EVERY, PROBE_TOKENS, SPEC_MAX_BATCH, PromptLookup, Speculator, accepted_count,
+)
 from qat4.errors import Qat4Error
 
 K = 4  # drafts per step on the speculative engines
@@ -592,6 +594,21 @@ def test_a_sequence_idle_for_long_probes_with_a_few_drafts_even_where_drafting_d
     assert s.draft_length([seq]) == min(K, PROBE_TOKENS)
     seq.max_new_tokens = seq.launched_outputs + 2  # room for one draft only
     assert s.draft_length([seq]) == 1
+
+
+def test_each_fruitless_verification_in_a_row_doubles_the_wait_before_a_probe():
+    s = speculator(costs(0.0, 1e-2))
+    seq = decoding(1, kept=9.0, refused=1.0)[0]
+    for fruitless in range(PROBE_BACKOFF + 2):
+        wait = PROBE_EVERY << min(fruitless, PROBE_BACKOFF)
+        seq.idle_steps = wait - 1
+        assert s.draft_length([seq]) == 0
+        seq.idle_steps = wait
+        assert s.draft_length([seq]) == min(K, PROBE_TOKENS)
+        s.record(seq, PROBE_TOKENS, 0)
+        assert seq.fruitless == fruitless + 1 and seq.idle_steps == 0
+    s.record(seq, PROBE_TOKENS, 1)  # a kept draft: probes come PROBE_EVERY steps apart again
+    assert seq.fruitless == 0
 
 
 def test_draft_length_is_zero_above_the_speculating_batch_size():

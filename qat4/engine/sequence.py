@@ -86,6 +86,7 @@ class Sequence:
     accepted: int = 0  # of those, the ones the target agreed with
     draft_stats: list[float] = field(default_factory=lambda: list(DRAFT_PRIOR))  # decayed kept, refused drafts
     idle_steps: int = 0  # decode steps since it last verified drafts
+    fruitless: int = 0  # verifications in a row that kept no draft
     draft_state: object = field(default=None, repr=False)  # the drafter's per-sequence index
     constraint: TokenConstraint | None = field(default=None, repr=False)  # dropped when the sequence ends
     stale: int = 0  # tokens in flight that were picked before the constraint became active
