@@ -205,7 +205,6 @@ class KVPool:
         self.blocks = dict(blocks)
         self.uploads = Uploader(device)  # every host-to-device copy of the engine's steps
         self.recent = RecentChains(block_size) if prompt_cache else None  # names a chat's next turn reuses
-        self._flush_index = torch.empty(0, dtype=torch.int64, device=device)  # grown by _index_buffer
 
     # ---- facts ---------------------------------------------------------------------------------
 
@@ -368,15 +367,6 @@ class KVPool:
                 last = {(slot, i): block for slot, i, block in updates}
                 entries = list(last)
                 rows = [[slot for slot, _ in entries], [i for _, i in entries], list(last.values())]
-                index = self.uploads.send(rows, self._index_buffer(len(entries)))
+                index = self.uploads.new(rows)
                 self.tables[kind].index_put_((index[0], index[1]), index[2].to(torch.int32))
                 updates.clear()
-
-    def _index_buffer(self, n: int) -> torch.Tensor:
-        """A device int64 [3, n] for n table entries (slot, index, block) of a flush: a view of one
-        buffer that grows when a flush needs more (each flush's copy into it is ordered after the
-        last one's read, on the one stream)."""
-        if self._flush_index.numel() < 3 * n:
-            self._flush_index = torch.empty(max(3 * n, 2 * self._flush_index.numel(), 1024), dtype=torch.int64,
-                                            device=self.device)
-        return self._flush_index[: 3 * n].view(3, n)

@@ -244,15 +244,10 @@ class ModelRunner:
         """The allowed-token bitmasks [len(slots), W] int32 of constrained sequences into their
         slots (bit j of word i allows token 32 i + j), for the next pick enqueued: a step's, or a deferred
         one's (:meth:`finish_pick`)."""
-        index = self._upload([slots])[0]
+        index = self.pool.uploads.new([slots])[0]
         if self.device.type == "cuda":  # int32 rows of a constrained step, through PyTorch's pinned allocator
             bitmasks = bitmasks.pin_memory().to(self.device, non_blocking=True)
         self.allowed.index_copy_(0, index, bitmasks)
-
-    def _upload(self, rows: list[list[int]]) -> torch.Tensor:
-        """Rows of as many ints each, as a new int64 tensor [len(rows), len(rows[0])] on the device."""
-        return self.pool.uploads.send(rows, torch.empty((len(rows), len(rows[0])), dtype=torch.int64,
-                                                        device=self.device))
 
     def keep_for(self, seqs: list[Sequence]) -> int:
         """The sampling shape (:func:`qat4.engine.sampler.keep_shape`) serving these sequences."""
@@ -396,8 +391,8 @@ class ModelRunner:
         """Eager forward of prompt chunks (sequence, tokens from ``num_computed`` on), every id
         known on the host -> (hidden [T, D], positions [T], slots [T])."""
         ids, positions, slots, cu, rows = flat_chunks(chunks)
-        flat = self._upload([ids, positions, slots])
-        seq_meta = self._upload([cu + rows])[0]
+        flat = self.pool.uploads.new([ids, positions, slots])
+        seq_meta = self.pool.uploads.new([cu + rows])[0]
         max_q = max(n for _, n in chunks)
         max_keys = max(seq.num_computed + n for seq, n in chunks)
         batch = self._batch(flat[2], flat[1], seq_meta[: len(cu)], seq_meta[len(cu) :], max_q, max_keys)
@@ -418,7 +413,7 @@ class ModelRunner:
             self.forward_chunks(chunks)
             return torch.zeros(0, dtype=torch.int64, device=self.device), None
         last = list(itertools.accumulate(n for _, n in chunks))  # each chunk's last row + 1
-        ends = self._upload([[last[i] - 1 for i in sampled]])[0]
+        ends = self.pool.uploads.new([[last[i] - 1 for i in sampled]])[0]
         h, positions, slots = self.forward_chunks(chunks)
         scores = score_buffers(len(sampled), self.top, self.device) if scored else None
         return self._pick_ends(h, positions, ends, slots[ends], keep, masked, scores), scores

@@ -55,3 +55,8 @@ class Uploader:
         dst.copy_(staged, non_blocking=True)
         self._events[i].record()
         return dst
+
+    def new(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Rows of as many ints each, as a new int64 tensor [len(rows), len(rows[0])] on the device
+        (:meth:`send` into it)."""
+        return self.send(rows, torch.empty((len(rows), len(rows[0])), dtype=torch.int64, device=self.device))
