@@ -129,7 +129,10 @@ class ScriptedEngine:
 
 
 class LiveServer:
-    """A uvicorn server for `app` on a free loopback port, in a background thread."""
+    """A uvicorn server for `app` on a free loopback port, in a background thread. Idle
+    connections stay open for the whole test (uvicorn closes them after 5 s): the tests' clients
+    reuse them without retrying, and a close racing a reused connection's next request would fail
+    a test that is not about keep-alive."""
 
     def __init__(self, app):
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -138,7 +141,7 @@ class LiveServer:
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = app
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=900))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
     def __enter__(self) -> LiveServer:
