@@ -193,7 +193,8 @@ def test_tiling_table_fills_an_h200_at_every_decode_shape(m):
         candidates = bt.batch_tiling_candidates(n, k, m, sm_count=132)
         assert candidates[0] == tiling and len(candidates) == len({tuple(sorted(c.items())) for c in candidates})
         assert all(bt._fits(n, m, c) for c in candidates)
-        assert candidates[1] == dict(tiling, ONE_DOT=1)  # one dot a step, timed beside the table's
+        assert candidates[1] == dict(tiling, ONE_DOT=1 - tiling["ONE_DOT"])  # timed beside the table's
+        assert tiling["ONE_DOT"] == (tiling["BLOCK_M"] == 16 and g <= tiling["BLOCK_G"])  # one step: one dot
 
 
 def test_tiling_splits_the_long_down_projection():

@@ -29,10 +29,14 @@ BATCH_PARTIALS = 1 << 22  # split-K fp32 partial sums per device (16 MiB)
 # 130-210 registers, and up to 255 with more than 16 words per thread. At 64 rows the 64-wide tile
 # took less time than the 128-wide one at every shape of E2B narrower than 8,192 rows, up to 43 %
 # less (`tools/bench_w4.py --rows 64 --batch-config`, BENCHMARKS.md); wider W there goes to the
-# prefill GEMM (:mod:`qat4.ops.w4.dispatch`), all but the output layer.
+# prefill GEMM (:mod:`qat4.ops.w4.dispatch`), all but the output layer. At 4 and 16 rows the
+# 64-wide tile also took less time up to 24,576 rows (8,960 x 1,536: 11.8 -> 9.0 µs, 12,288 x
+# 1,536: 9.8 -> 9.3, 24,576 x 1,536: 17.1 -> 15.0 at 4 rows, with the split rule's splits), the
+# 128-wide one only at the output layer's 262,144 rows (133 against 146 µs); `tools/bench_w4.py
+# --rows 4 --sweep` and `--rows 16 --sweep`, BENCHMARKS.md.
 _TILES = (
     (16, 0, (64, 8, 4, 1, 0), 130),
-    (16, 8192, (128, 4, 8, 1, 0), 64),
+    (16, 65536, (128, 4, 8, 1, 0), 64),
     (32, 0, (64, 8, 4, 1, 0), 157),
     (32, 8192, (128, 4, 8, 1, 0), 89),
     (64, 0, (64, 8, 4, 1, 0), 210),
@@ -113,10 +117,16 @@ def _sms(device) -> int:
 
 def batch_tiling(n: int, k: int, m: int, device=None, *, sm_count: int | None = None) -> dict:
     """The table's tiling (keys :data:`TILING_KEYS`) for W [n, k] and m rows of x on `device`
-    (its SM count sets the split; `sm_count` overrides it; no device: one SM)."""
+    (its SM count sets the split; `sm_count` overrides it; no device: one SM).
+
+    A 16-row tile whose K is a single step multiplies with one dot (ONE_DOT): with nothing to
+    overlap the eight dots' round trips with, the per-layer inputs' 1,536 x 256 product took 1.86
+    against 2.27 µs at 4 rows and 1.88 against 2.28 at 16 on an H200 (`tools/bench_w4.py --sweep`).
+    """
     block_m = _block_m(m)
     block_n, block_g, warps, stages, prefetch = _default_tile(n, block_m)
-    tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_G": block_g, "PREFETCH": prefetch, "ONE_DOT": 0,
+    one_dot = int(block_m == 16 and k // 32 <= block_g)
+    tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_G": block_g, "PREFETCH": prefetch, "ONE_DOT": one_dot,
             "num_warps": warps, "num_stages": stages}
     sms = sm_count if sm_count is not None else _sms(device)
     return dict(tile, SPLIT_K=_split_for(n, k // 32, m, tile, sms))
@@ -124,9 +134,10 @@ def batch_tiling(n: int, k: int, m: int, device=None, *, sm_count: int | None = 
 
 def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: int | None = None) -> list[dict]:
     """Tilings worth timing for one shape (tools/bench_w4.py --sweep): the table's; its tile with
-    one dot a step (ONE_DOT), then both ways with every PREFETCH and num_stages; its tile with
-    every whole-step split; and the other tiles of 8-16 words and at most 64 sums per thread, with
-    the split rule's split. The table's comes first, its ONE_DOT twin second."""
+    the other ONE_DOT (one dot a step or eight), then both ways with every PREFETCH and
+    num_stages; its tile with every whole-step split; and the other tiles of 8-16 words and at
+    most 64 sums per thread, with the split rule's split. The table's comes first, its ONE_DOT
+    twin second."""
     sms = sm_count if sm_count is not None else _sms(device)
     g = k // 32
     base = batch_tiling(n, k, m, sm_count=sms)
@@ -136,7 +147,7 @@ def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: in
         if tiling not in out and _fits(n, m, tiling):
             out.append(tiling)
 
-    for one_dot in (1, 0):
+    for one_dot in (1 - base["ONE_DOT"], base["ONE_DOT"]):
         for prefetch in (0, 1, 2):
             for stages in (1, 2, 3):
                 add(dict(base, num_stages=stages, PREFETCH=prefetch, ONE_DOT=one_dot))
