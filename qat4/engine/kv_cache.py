@@ -54,8 +54,7 @@ class BlockAllocator:
 
     A cached block is one whose positions all hold the K/V of known tokens: :meth:`register`
     names it by the hash of the tokens from position 0 to its end (:mod:`qat4.engine.prefix`),
-    :meth:`lookup` finds it again (:meth:`lookup_run` a chain of them), :meth:`acquire` takes
-    another reference. When its last holder lets go (:meth:`release`) a named block is cached
+    :meth:`lookup_run` finds a chain of them again, :meth:`acquire` takes another reference. When its last holder lets go (:meth:`release`) a named block is cached
     instead of freed; :meth:`allocate` hands out free blocks first and takes the oldest cached ones
     only when none are left.
     """
@@ -120,9 +119,6 @@ class BlockAllocator:
     def held_once(self, block: int) -> bool:
         """Whether exactly one sequence holds the block (letting go makes it available)."""
         return self._refs[block] == 1
-
-    def lookup(self, key: bytes) -> int | None:
-        return self._block_of.get(key)
 
     def lookup_run(self, keys: list[bytes]) -> list[int]:
         """The blocks ``keys`` name, from the first key up to the first that names none."""
