@@ -38,7 +38,7 @@ from qat4.config import E2B, SYNTHETIC, Gemma4Config, synthetic_config
 from qat4.engine.config import MAX_CTX_DEFAULT, EngineConfig
 from qat4.engine.kv_cache import pool_nbytes
 from qat4.engine.memory import MIB, Plan, decode_nbytes, default_dtype, model_nbytes, plan
-from qat4.engine.model_runner import uses_graphs
+from qat4.engine.graphs import uses_graphs
 from qat4.errors import Qat4Error
 from qat4.ops import use_triton
 from qat4.ops._triton import TRITON_VERSION

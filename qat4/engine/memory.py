@@ -24,6 +24,7 @@ from qat4.checkpoint.packed_model import PackedModel
 from qat4.checkpoint.packing import PackedTensor
 from qat4.config import SLIDING, Gemma4Config
 from qat4.engine.config import MAX_CTX_DEFAULT, EngineConfig
+from qat4.engine.graphs import chunk_graph_sizes, graph_sizes
 from qat4.engine.kv_cache import block_nbytes, pool_blocks, pool_nbytes
 from qat4.errors import Qat4Error
 from qat4.model import CUBLAS_WORKSPACE_NBYTES, expansion_nbytes
@@ -110,7 +111,6 @@ def decode_nbytes(packed: PackedModel, seqs: int, spec_tokens: int = 0) -> int:
     sampling it over the whole vocabulary (SAMPLED_BYTES_PER_LOGIT a logit) and headroom for its
     activations, and what the two graphs captured per batch size and rows per sequence (greedy and
     the default sampling) keep."""
-    from qat4.engine.model_runner import graph_sizes
     from qat4.engine.speculation import SPEC_MAX_BATCH
 
     spec_sizes = [b for b in graph_sizes(seqs) if b <= SPEC_MAX_BATCH] if spec_tokens else []
@@ -121,9 +121,7 @@ def decode_nbytes(packed: PackedModel, seqs: int, spec_tokens: int = 0) -> int:
 
 def chunk_graph_nbytes(prefill_chunk: int) -> int:
     """What the graphs of padded prompt steps keep from load on: the working memory of the largest
-    size they run (:func:`qat4.engine.model_runner.chunk_graph_sizes`) under ``prefill_chunk``."""
-    from qat4.engine.model_runner import chunk_graph_sizes
-
+    size they run (:func:`qat4.engine.graphs.chunk_graph_sizes`) under ``prefill_chunk``."""
     return max(chunk_graph_sizes(prefill_chunk), default=0) * PREFILL_BYTES_PER_TOKEN
 
 

@@ -10,7 +10,7 @@ A step has two parts, both enqueued before the host waits for anything:
   whose id is still on the device (the token sampled by the previous step) reads it from
   ``last_token[slot]``.
 - **prompt chunks**: the tokens of one or more prompts as one flat batch. On CUDA a step's chunks
-  run padded to the next of :func:`chunk_graph_sizes` (up to ``prefill_chunk`` tokens, so every
+  run padded to the next of :func:`~qat4.engine.graphs.chunk_graph_sizes` (up to ``prefill_chunk`` tokens, so every
   step the scheduler makes), replayed from a graph of that size when graphs are on (so a graph and
   an eager engine compute the same). One graph per size serves one sequence, another up to
   min(size, max_num_seqs) sequences, the unused ones empty; the padding rows belong to no
@@ -52,13 +52,12 @@ verifying step the row of the last draft the target agreed with.
 
 from __future__ import annotations
 
-import functools
 import itertools
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
+from qat4.engine.graphs import capture_graph, chunk_graph_sizes, graph_sizes, uses_graphs
 from qat4.engine.kv_cache import KVPool
 from qat4.engine.logprobs import TokenLogprobs, read_scores, score, score_buffers, top_width
 from qat4.engine.sampler import SamplingParams, keep_shape, mask_logits, sample
@@ -66,17 +65,6 @@ from qat4.engine.sequence import Sequence
 from qat4.model import ForwardBatch, Gemma4
 from qat4.ops.attention import PagedSeqs
 from qat4.ops.draws import uniforms
-
-
-CHUNK_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)  # padded sizes of prompt steps
-
-
-def chunk_graph_sizes(prefill_chunk: int) -> list[int]:
-    """The token counts prompt steps are padded to under ``prefill_chunk``: the sizes of
-    CHUNK_GRAPH_TOKENS below it, and prefill_chunk itself unless it is past the largest (then
-    steps longer than that run unpadded)."""
-    sizes = [t for t in CHUNK_GRAPH_TOKENS if t < prefill_chunk]
-    return sizes + [prefill_chunk] if prefill_chunk <= CHUNK_GRAPH_TOKENS[-1] else sizes
 
 
 def flat_chunks(chunks: list[tuple[Sequence, int]]) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
@@ -93,45 +81,9 @@ def flat_chunks(chunks: list[tuple[Sequence, int]]) -> tuple[list[int], list[int
     return ids, positions, slots, cu, rows
 
 
-def graph_sizes(max_num_seqs: int) -> list[int]:
-    """Batch sizes with a captured decode graph: 1, 2, 4, 8, then every 16, and max_num_seqs."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
-    return sizes + [max_num_seqs]
-
-
 def bitmask_width(vocab_size: int) -> int:
     """32-bit words of an allowed-token bitmask over ``vocab_size`` tokens."""
     return (vocab_size + 31) // 32
-
-
-def uses_graphs(cuda_graph: bool, device: torch.device) -> bool:
-    """Whether decode steps replay CUDA graphs: asked for (EngineConfig.cuda_graph) and on a CUDA device."""
-    return cuda_graph and device.type == "cuda"
-
-
-@functools.lru_cache(maxsize=None)
-def warm_up_stream(device: torch.device) -> torch.cuda.Stream:
-    """The one side stream on which :func:`capture_graph` runs its eager warm-ups on ``device``.
-    cuBLAS keeps a 32 MiB workspace per stream it has run on, for good: a new stream per capture
-    kept one more workspace for every graph whose products reach cuBLAS (576 MiB over E2B's
-    prompt-step graphs, which broke the 3,732 MiB plan)."""
-    return torch.cuda.Stream(device)
-
-
-def capture_graph(run: Callable[[], None], device: torch.device, pool=None) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``run`` (in memory pool ``pool``, when given): two eager runs on the
-    device's warm-up stream first, which compile and tune its kernels, then the capture (on
-    torch's one capture stream)."""
-    side = warm_up_stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            run()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        run()
-    return graph
 
 
 class StepTokens:

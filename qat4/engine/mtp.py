@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from qat4.assistant import Gemma4Assistant
-from qat4.engine.model_runner import ModelRunner, capture_graph
+from qat4.engine.graphs import capture_graph
+from qat4.engine.model_runner import ModelRunner
 from qat4.engine.sequence import Sequence
 from qat4.engine.speculation import COST_DEPTH
 from qat4.engine.tuning import best_seconds, replay_us

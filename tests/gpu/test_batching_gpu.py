@@ -21,7 +21,7 @@ from qat4.chat.grammars import grammars_for
 from qat4.checkpoint.synth import synthetic_model
 from qat4.config import E2B
 from qat4.engine import Engine
-from qat4.engine.model_runner import chunk_graph_sizes
+from qat4.engine.graphs import chunk_graph_sizes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from server_harness import LiveServer, tiny_tokenizer, wait_until  # noqa: E402
