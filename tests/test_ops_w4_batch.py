@@ -207,6 +207,9 @@ def test_tiling_splits_the_long_down_projection():
 def test_config_pins_keys_and_bad_tilings_are_rejected():
     pinned = bt.resolve_tiling({"BLOCK_N": 32, "SPLIT_K": 2}, 64, 256, 3, "cpu")
     assert pinned["BLOCK_N"] == 32 and pinned["SPLIT_K"] == 2 and pinned["BLOCK_M"] == 16
+    assert pinned["ONE_DOT"] == 1  # K = 256 is one step of the table's 8 groups
+    assert bt.resolve_tiling({"BLOCK_G": 4}, 64, 256, 3, "cpu")["ONE_DOT"] == 0  # two steps: eight dots
+    assert bt.resolve_tiling({"BLOCK_G": 4, "ONE_DOT": 1}, 64, 256, 3, "cpu")["ONE_DOT"] == 1
     for bad in ({"BLOCK_G": 2}, {"BLOCK_N": 48}, {"BLOCK_M": 8}, {"PREFETCH": 3}, {"SPLIT_K": 0}, {"RR": 4},
                 {"num_stages": 0}, {"ONE_DOT": 2}):
         with pytest.raises(ValueError):

@@ -54,9 +54,10 @@ class BlockAllocator:
 
     A cached block is one whose positions all hold the K/V of known tokens: :meth:`register`
     names it by the hash of the tokens from position 0 to its end (:mod:`qat4.engine.prefix`),
-    :meth:`lookup_run` finds a chain of them again, :meth:`acquire` takes another reference. When its last holder lets go (:meth:`release`) a named block is cached
-    instead of freed; :meth:`allocate` hands out free blocks first and takes the oldest cached ones
-    only when none are left.
+    :meth:`lookup_run` finds a chain of them again, :meth:`acquire` takes another reference. When
+    its last holder lets go (:meth:`release`) a named block is cached instead of freed;
+    :meth:`allocate` hands out free blocks first and takes the oldest cached ones only when none
+    are left.
     """
 
     def __init__(self, num_blocks: int):

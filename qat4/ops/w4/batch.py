@@ -76,9 +76,11 @@ covers BLOCK_G groups, BLOCK_K = 32 * BLOCK_G columns::
   warpgroup arrive/waits, 8 fences per step), and one dot is one launch and one wait; the loop
   shrinks from 353-393 to 312-321 instructions per thread and step at the table's tiles, while the
   unpacked tile now goes through shared memory (37-49 KiB per program instead of 8-33) and 16-row
-  tiles take up to 92 registers instead of 69. Which is faster is for the GPU to say:
-  :func:`~qat4.ops.w4.batch_tiling.batch_tiling_candidates` times both. The sums are the same
-  products added in another order, so the two differ by fp32 rounding.
+  tiles take up to 92 registers instead of 69. Timed on an H200, one dot is slower wherever a
+  program has several steps and faster where K is a single step (1,536 x 256), where the table
+  takes it (:mod:`qat4.ops.w4.batch_tiling`); :func:`~qat4.ops.w4.batch_tiling.batch_tiling_candidates`
+  times both. The sums are the same products added in another order, so the two differ by fp32
+  rounding.
 - *Split-K*: with SPLIT_K > 1 each program stores its fp32 partial [BLOCK_N, BLOCK_M] to a
   per-device scratch and takes a ticket from its tile's counter (acq_rel); the last program of
   the tile adds the partials in split order and runs the epilogue, then resets the counter, as

@@ -32,7 +32,7 @@ BATCH_PARTIALS = 1 << 22  # split-K fp32 partial sums per device (16 MiB)
 # prefill GEMM (:mod:`qat4.ops.w4.dispatch`), all but the output layer. At 4 and 16 rows the
 # 64-wide tile also took less time up to 24,576 rows (8,960 x 1,536: 11.8 -> 9.0 µs, 12,288 x
 # 1,536: 9.8 -> 9.3, 24,576 x 1,536: 17.1 -> 15.0 at 4 rows, with the split rule's splits), the
-# 128-wide one only at the output layer's 262,144 rows (133 against 146 µs); `tools/bench_w4.py
+# 128-wide one at the output layer's 262,144 rows (133 against 146 µs at 4 rows); `tools/bench_w4.py
 # --rows 4 --sweep` and `--rows 16 --sweep`, BENCHMARKS.md.
 _TILES = (
     (16, 0, (64, 8, 4, 1, 0), 130),
@@ -115,19 +115,21 @@ def _sms(device) -> int:
     return sm_count(torch.device(device)) if device is not None else 1
 
 
+def _one_dot(block_m: int, block_g: int, k: int) -> int:
+    """ONE_DOT for a tile: one dot for a 16-row tile whose K is a single step. With nothing to
+    overlap the eight dots' round trips with, the per-layer inputs' 1,536 x 256 product took 1.86
+    against 2.27 µs at 4 rows and 1.88 against 2.28 at 16 on an H200 (`tools/bench_w4.py --sweep`);
+    with several steps eight dots were faster at every E2B shape."""
+    return int(block_m == 16 and k // 32 <= block_g)
+
+
 def batch_tiling(n: int, k: int, m: int, device=None, *, sm_count: int | None = None) -> dict:
     """The table's tiling (keys :data:`TILING_KEYS`) for W [n, k] and m rows of x on `device`
-    (its SM count sets the split; `sm_count` overrides it; no device: one SM).
-
-    A 16-row tile whose K is a single step multiplies with one dot (ONE_DOT): with nothing to
-    overlap the eight dots' round trips with, the per-layer inputs' 1,536 x 256 product took 1.86
-    against 2.27 µs at 4 rows and 1.88 against 2.28 at 16 on an H200 (`tools/bench_w4.py --sweep`).
-    """
+    (its SM count sets the split; `sm_count` overrides it; no device: one SM)."""
     block_m = _block_m(m)
     block_n, block_g, warps, stages, prefetch = _default_tile(n, block_m)
-    one_dot = int(block_m == 16 and k // 32 <= block_g)
-    tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_G": block_g, "PREFETCH": prefetch, "ONE_DOT": one_dot,
-            "num_warps": warps, "num_stages": stages}
+    tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_G": block_g, "PREFETCH": prefetch,
+            "ONE_DOT": _one_dot(block_m, block_g, k), "num_warps": warps, "num_stages": stages}
     sms = sm_count if sm_count is not None else _sms(device)
     return dict(tile, SPLIT_K=_split_for(n, k // 32, m, tile, sms))
 
@@ -160,7 +162,8 @@ def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: in
                 threads = 32 * warps
                 if not (8 <= block_n * 4 * block_g // threads <= 16 and block_n * block_m // threads <= 64):
                     continue
-                tile = dict(base, BLOCK_N=block_n, BLOCK_G=block_g, num_warps=warps)
+                tile = dict(base, BLOCK_N=block_n, BLOCK_G=block_g, num_warps=warps,
+                            ONE_DOT=_one_dot(block_m, block_g, k))
                 add(dict(tile, SPLIT_K=_split_for(n, g, m, tile, sms)))
     return out
 
@@ -177,7 +180,8 @@ def _table_tiling(n: int, k: int, m: int, sms: int) -> dict:
 
 def resolve_tiling(config: dict | None, n: int, k: int, m: int, device) -> dict:
     """The table's tiling with the keys `config` pins, checked; a pinned tile without a pinned
-    SPLIT_K gets the split rule's split for that tile. Without `config`, the shared table tiling."""
+    SPLIT_K gets the split rule's split for that tile, and without a pinned ONE_DOT the table's
+    rule for it. Without `config`, the shared table tiling."""
     if not config:
         return _table_tiling(n, k, m, _sms(device))
     tiling = dict(_table_tiling(n, k, m, _sms(device)))
@@ -185,6 +189,8 @@ def resolve_tiling(config: dict | None, n: int, k: int, m: int, device) -> dict:
     if unknown:
         raise ValueError(f"unknown batch tiling keys {sorted(unknown)}; use {TILING_KEYS}")
     tiling.update({key: int(value) for key, value in config.items()})
+    if "ONE_DOT" not in config:  # the table's rule for the tile as pinned
+        tiling["ONE_DOT"] = _one_dot(tiling["BLOCK_M"], tiling["BLOCK_G"], k)
     pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
     if not (pow2(tiling["BLOCK_M"]) and tiling["BLOCK_M"] >= 16 and pow2(tiling["BLOCK_N"]) and tiling["BLOCK_N"] >= 16
             and pow2(tiling["BLOCK_G"]) and tiling["BLOCK_G"] >= 4 and tiling["PREFETCH"] in (0, 1, 2)
