@@ -30,8 +30,9 @@ def hf_model(packed: PackedModel, device: str | torch.device = "cpu") -> Gemma4F
     with torch.device(device), no_init_weights():
         model = Gemma4ForCausalLM(hf_config(packed))
     model.tie_weights()  # which the skipped initialisation would have done
-    targets = dict(model.named_parameters()) | dict(model.named_buffers())
-    unwritten = set(dict(model.named_parameters()))
+    params = dict(model.named_parameters())
+    targets = params | dict(model.named_buffers())
+    unwritten = set(params)
     for name, t in packed.tensors.items():
         key = "model." + name + ("" if name.endswith("layer_scalar") else ".weight")
         targets[key].copy_(t.dequantize(torch.float32) if isinstance(t, PackedTensor) else t.float())
