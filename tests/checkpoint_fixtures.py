@@ -1,9 +1,11 @@
-"""Small synthetic checkpoints for the format tests.
+"""Small synthetic checkpoints for the format tests, and the model of the engine tests on token ids.
 
 `SMALL` is the tiny preset with a 1,024-token vocabulary, so that recovering the vocabulary tables
 from 16-bit values and parsing a GGUF's tokenizer take a moment instead of minutes; its tokenizer
 is a byte-fallback BPE laid out like Gemma 4's (specials at their Gemma 4 ids, `<0xNN>` byte
-tokens, user-defined tool tokens, merges).
+tokens, user-defined tool tokens, merges). Engine tests that feed token ids and read token ids
+(batching, the prompt cache, speculative decoding) run on it too: on the CPU the real vocabulary's
+output layer (262,144 rows) is most of a tiny model's step, and none of them reads text.
 """
 
 from __future__ import annotations

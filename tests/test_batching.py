@@ -2,15 +2,16 @@
 tokens and logits it gets alone, whoever joins or leaves, with prompts read in chunks between decode
 steps, through preemption, and with the KV pool empty again at the end.
 
-The tiny model's window is 8 positions and the pool's blocks hold 4, so the sequences here slide
+The model is `SMALL`, the tiny preset with a 1,024-token vocabulary (these tests read token ids,
+not text). Its window is 8 positions and the pool's blocks hold 4, so the sequences here slide
 past several windows and give back sliding blocks as they go.
 """
 
 import pytest
 import torch
+from checkpoint_fixtures import SMALL
 
 from qat4.checkpoint.synth import synthetic_model
-from qat4.config import TINY
 from qat4.engine import Engine
 from qat4.engine.kv_cache import BlockAllocator, KVPool, PoolExhausted, pool_blocks
 from qat4.engine.model_runner import ModelRunner
@@ -25,7 +26,7 @@ CHUNK = 8
 
 def prompt(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
-    return [TINY.bos_token_id] + torch.randint(3, TINY.vocab_size, (n - 1,), generator=g).tolist()
+    return [SMALL.bos_token_id] + torch.randint(3, SMALL.vocab_size, (n - 1,), generator=g).tolist()
 
 
 # (prompt length, max new tokens, sampling) per request; the prompts cross the window and the chunk
@@ -40,7 +41,7 @@ REQUESTS = [
 
 @pytest.fixture(scope="module")
 def packed():
-    return synthetic_model(TINY, seed=0)
+    return synthetic_model(SMALL, seed=0)
 
 
 def make_engine(packed, **options) -> Engine:
@@ -301,8 +302,8 @@ def test_allocator_hands_out_blocks_once_and_never_the_scratch_block():
 
 
 def test_sliding_blocks_are_given_back_once_out_of_every_window():
-    blocks = pool_blocks(TINY, kv_tokens=64, max_seqs=2, prefill_chunk=40, max_ctx=64, block_size=4)
-    pool = KVPool(TINY, blocks, block_size=4, max_seqs=2, max_ctx=64, device=torch.device("cpu"),
+    blocks = pool_blocks(SMALL, kv_tokens=64, max_seqs=2, prefill_chunk=40, max_ctx=64, block_size=4)
+    pool = KVPool(SMALL, blocks, block_size=4, max_seqs=2, max_ctx=64, device=torch.device("cpu"),
                   dtype=torch.float32)
     slot = pool.open_slot()
     pool.grow(slot, 40, 0)  # a 40-token prompt read in one go: everything held
@@ -322,8 +323,8 @@ def test_a_pool_holds_a_slot_only_when_growing_it_would_change_nothing():
     """The scheduler skips growing a sequence that ``holds`` says is covered, so ``holds`` may be
     true only where grow allocates no block and gives no sliding block back; along a decode it
     is true on exactly those steps."""
-    blocks = pool_blocks(TINY, kv_tokens=64, max_seqs=2, prefill_chunk=40, max_ctx=64, block_size=4)
-    pool = KVPool(TINY, blocks, block_size=4, max_seqs=2, max_ctx=64, device=torch.device("cpu"),
+    blocks = pool_blocks(SMALL, kv_tokens=64, max_seqs=2, prefill_chunk=40, max_ctx=64, block_size=4)
+    pool = KVPool(SMALL, blocks, block_size=4, max_seqs=2, max_ctx=64, device=torch.device("cpu"),
                   dtype=torch.float32)
     slot = pool.open_slot()
     assert not pool.holds(slot, 1, 0)
@@ -340,8 +341,8 @@ def test_a_pool_holds_a_slot_only_when_growing_it_would_change_nothing():
 
 
 def test_scheduler_reads_prompts_in_chunks_under_the_budget_and_decodes_the_rest():
-    blocks = pool_blocks(TINY, kv_tokens=256, max_seqs=4, prefill_chunk=8, max_ctx=128, block_size=4)
-    pool = KVPool(TINY, blocks, block_size=4, max_seqs=4, max_ctx=128, device=torch.device("cpu"),
+    blocks = pool_blocks(SMALL, kv_tokens=256, max_seqs=4, prefill_chunk=8, max_ctx=128, block_size=4)
+    pool = KVPool(SMALL, blocks, block_size=4, max_seqs=4, max_ctx=128, device=torch.device("cpu"),
                   dtype=torch.float32)
     sched = Scheduler(pool, prefill_chunk=8)
     long, short = (Sequence(prompt(n, n), SamplingParams(temperature=0), 0, 4, frozenset()) for n in (19, 5))

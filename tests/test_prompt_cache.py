@@ -3,14 +3,15 @@ exactly the tokens and logits of a cold read while reading only the rest, for hi
 sliding windows long, a history edited in the middle, a reply re-rendered differently, and beside
 other running sequences; cached blocks give way to running sequences and nothing leaks.
 
-The tiny model's window is 8 positions and the pool's blocks hold 4.
+The model is `SMALL`, the tiny preset with a 1,024-token vocabulary (these tests read token ids,
+not text). Its window is 8 positions and the pool's blocks hold 4.
 """
 
 import pytest
 import torch
+from checkpoint_fixtures import SMALL
 
 from qat4.checkpoint.synth import synthetic_model
-from qat4.config import TINY
 from qat4.engine import Engine
 from qat4.engine.kv_cache import BlockAllocator
 from qat4.engine.prefix import RecentChains, extend_block_hashes, shared_blocks
@@ -18,12 +19,12 @@ from qat4.engine.prefix import RecentChains, extend_block_hashes, shared_blocks
 
 def tokens(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, TINY.vocab_size, (n,), generator=g).tolist()
+    return torch.randint(3, SMALL.vocab_size, (n,), generator=g).tolist()
 
 
 @pytest.fixture(scope="module")
 def packed():
-    return synthetic_model(TINY, seed=0)
+    return synthetic_model(SMALL, seed=0)
 
 
 def make_engine(packed, **options) -> Engine:
@@ -60,7 +61,7 @@ def same(a, b) -> bool:
 
 def test_a_cached_conversation_gives_exactly_the_cold_results(packed):
     warm, cold = make_engine(packed), make_engine(packed, prompt_cache_mib=0)
-    history = [TINY.bos_token_id] + tokens(61, 1)  # several windows of 8
+    history = [SMALL.bos_token_id] + tokens(61, 1)  # several windows of 8
     (reply, _, first_hit), = run(warm, [history])
     assert first_hit == 0
     turn2 = history + reply + tokens(13, 2)
@@ -74,7 +75,7 @@ def test_a_cached_conversation_gives_exactly_the_cold_results(packed):
 @pytest.mark.parametrize("edit", ["middle", "reply"])
 def test_a_history_that_diverges_reuses_up_to_the_block_before_the_difference(packed, edit):
     warm, cold = make_engine(packed), make_engine(packed, prompt_cache_mib=0)
-    history = [TINY.bos_token_id] + tokens(70, 3)
+    history = [SMALL.bos_token_id] + tokens(70, 3)
     (reply, _, _), = run(warm, [history])
     if edit == "middle":  # an earlier message edited at position 30
         turn2, diverges = history[:30] + tokens(40, 4) + reply, 30
@@ -88,9 +89,9 @@ def test_a_history_that_diverges_reuses_up_to_the_block_before_the_difference(pa
 
 def test_hits_beside_running_sequences_and_between_requests(packed):
     warm, cold = make_engine(packed), make_engine(packed, prompt_cache_mib=0)
-    system = [TINY.bos_token_id] + tokens(40, 7)
+    system = [SMALL.bos_token_id] + tokens(40, 7)
     first = run(warm, [system + tokens(5, 8)])
-    others = [[TINY.bos_token_id] + tokens(20 + 3 * i, 9 + i) for i in range(3)]
+    others = [[SMALL.bos_token_id] + tokens(20 + 3 * i, 9 + i) for i in range(3)]
     asks = [system + tokens(6 + i, 20 + i) for i in range(3)]
     hot = run(warm, asks, others=others)
     ref = run(cold, asks, others=others)
@@ -103,10 +104,10 @@ def test_hits_beside_running_sequences_and_between_requests(packed):
 def test_cached_blocks_give_way_to_running_sequences_and_nothing_leaks(packed):
     engine = make_engine(packed, max_num_seqs=4, kv_tokens=96, prompt_cache_mib=0.001)
     pool = engine.pool
-    run(engine, [[TINY.bos_token_id] + tokens(40, 30 + i) for i in range(2)])
+    run(engine, [[SMALL.bos_token_id] + tokens(40, 30 + i) for i in range(2)])
     assert all(n > 0 for n in pool.cached_blocks().values())
     # four requests that need nearly the whole pool: the cache is evicted, none is preempted
-    run(engine, [[TINY.bos_token_id] + tokens(14, 40 + i) for i in range(4)], new=6)
+    run(engine, [[SMALL.bos_token_id] + tokens(14, 40 + i) for i in range(4)], new=6)
     assert engine.scheduler.preempted_total == 0
     assert all(a.num_used == 0 for a in pool.allocators.values()) and pool.num_free_slots == 4
     assert all(a.num_free == a.num_blocks - 1 for a in pool.allocators.values())
@@ -114,7 +115,7 @@ def test_cached_blocks_give_way_to_running_sequences_and_nothing_leaks(packed):
 
 def test_off_means_no_hits(packed):
     engine = make_engine(packed, prompt_cache_mib=0)
-    p = [TINY.bos_token_id] + tokens(30, 50)
+    p = [SMALL.bos_token_id] + tokens(30, 50)
     run(engine, [p])
     assert run(engine, [p + tokens(4, 51)])[0][2] == 0
     assert all(n == 0 for n in engine.pool.cached_blocks().values())
@@ -169,7 +170,7 @@ def test_a_chats_next_turn_hashes_only_its_new_blocks(packed, monkeypatch):
     import qat4.engine.prefix as prefix
 
     engine = make_engine(packed)
-    turn1 = [TINY.bos_token_id] + tokens(37, 5)
+    turn1 = [SMALL.bos_token_id] + tokens(37, 5)
     (out, _, _), = run(engine, [turn1])
     hashed = []
     hashing = prefix.extend_block_hashes
@@ -190,7 +191,7 @@ def pool_and_scheduler(window: int, block_size: int, chunk: int, max_seqs: int, 
     from qat4.engine.kv_cache import KVPool, pool_blocks
     from qat4.engine.scheduler import Scheduler
 
-    cfg = dataclasses.replace(TINY, sliding_window=window)
+    cfg = dataclasses.replace(SMALL, sliding_window=window)
     blocks = pool_blocks(cfg, kv_tokens=256, max_seqs=max_seqs, prefill_chunk=chunk, max_ctx=256,
                          block_size=block_size, cache_blocks=cache_blocks)
     pool = KVPool(cfg, blocks, block_size=block_size, max_seqs=max_seqs, max_ctx=256, device=torch.device("cpu"),

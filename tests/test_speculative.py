@@ -6,7 +6,8 @@ and every KV block back in the pool at the end. Beside that: the verification ru
 target distribution (a statistical check of the sampler with a point-mass draft), prompt lookup
 proposes what a brute-force scan finds, and the adaptive draft length follows the step costs.
 
-The tiny model's sliding window is 8 positions and the pool's blocks hold 4, so the long
+The model is `SMALL`, the tiny preset with a 1,024-token vocabulary (these tests read token ids,
+not text). Its sliding window is 8 positions and the pool's blocks hold 4, so the long
 generations here slide past several windows while drafts are refused and written over.
 """
 
@@ -14,9 +15,9 @@ import math
 
 import pytest
 import torch
+from checkpoint_fixtures import SMALL
 
 from qat4.checkpoint.synth import synthetic_model
-from qat4.config import TINY
 from qat4.engine import Engine
 from qat4.engine.kv_cache import sliding_blocks_per_seq
 from qat4.engine.sampler import SamplingParams, sample
@@ -34,8 +35,8 @@ OPTIONS = {"max_ctx": 128, "prefill_chunk": 8, "block_size": 4}
 def repeating_prompt(n: int, seed: int) -> list[int]:
     """<bos>, n random ids, the same n again, then their first half: prompt lookup finds matches."""
     g = torch.Generator().manual_seed(seed)
-    body = torch.randint(3, TINY.vocab_size, (n,), generator=g).tolist()
-    return [TINY.bos_token_id, *body, *body, *body[: n // 2]]
+    body = torch.randint(3, SMALL.vocab_size, (n,), generator=g).tolist()
+    return [SMALL.bos_token_id, *body, *body, *body[: n // 2]]
 
 
 GREEDY = [(repeating_prompt(n, seed), new) for n, seed, new in [(5, 1, 16), (7, 2, 14), (4, 3, 16), (9, 4, 12)]]
@@ -72,7 +73,7 @@ class RandomDrafter:
 
     def propose(self, seq, k):
         if self.choices is None:
-            return torch.randint(0, TINY.vocab_size, (k,), generator=self.g).tolist()
+            return torch.randint(0, SMALL.vocab_size, (k,), generator=self.g).tolist()
         picks = torch.randint(0, len(self.choices), (k,), generator=self.g).tolist()
         return [self.choices[i] for i in picks]
 
@@ -82,7 +83,7 @@ class RandomDrafter:
 
 @pytest.fixture(scope="module")
 def packed():
-    return synthetic_model(TINY, seed=0)
+    return synthetic_model(SMALL, seed=0)
 
 
 def spec_engine(packed, drafter=None, **options) -> Engine:
@@ -243,7 +244,7 @@ def test_preempted_speculating_sequences_are_read_again_and_continue_exactly(pac
     drafts: the newest is preempted (its drafts with it), read again, and still gets its tokens."""
     answers = [reference(p, new, **s) for p, new, s in GROWING]
     likely = sorted({t for tokens in answers for t in tokens})
-    engine = spec_engine(packed, RandomDrafter(6, likely), kv_tokens=40)
+    engine = spec_engine(packed, RandomDrafter(7, likely), kv_tokens=40)
     seqs, _ = run_batch(engine, GROWING, {0: [0, 1, 2]})
     assert engine.scheduler.preempted_total > 0
     for seq, tokens in zip(seqs, answers):
@@ -430,7 +431,7 @@ def window_held(engine: Engine) -> int:
         if seq.finished or not seq.output:  # ended, or a prompt's last chunk
             continue
         first, last = seq.num_computed - 1, seq.num_computed - 1 + len(drafts)
-        need = last // 4 - max(0, first - TINY.sliding_window + 1) // 4 + 1
+        need = last // 4 - max(0, first - SMALL.sliding_window + 1) // 4 + 1
         assert engine.pool.held_blocks(seq.slot)["sliding_attention"] >= need, (seq.id, first, last)
         checked += 1
     return checked
@@ -461,7 +462,7 @@ def test_long_generations_slide_past_the_window_with_speculation_and_stay_exact(
         assert seq.output == tokens
     assert 0 < sum(s.accepted for s in seqs) < sum(s.drafted for s in seqs)
     assert engine.scheduler.preempted_total == 0
-    assert 0 < most <= sliding_blocks_per_seq(TINY.sliding_window + K, 4, 128)  # old blocks were given back
+    assert 0 < most <= sliding_blocks_per_seq(SMALL.sliding_window + K, 4, 128)  # old blocks were given back
     assert_pool_empty(engine)
 
 
