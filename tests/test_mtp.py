@@ -30,18 +30,21 @@ from qat4.engine.sequence import Sequence
 from qat4.errors import Qat4Error
 from qat4.ops.attention import PagedSeqs, pool_rows
 
+# The tiny preset with an 8,192-token vocabulary (64 centroids, 32 of them scored): these tests read
+# token ids, not text, and on the CPU the real vocabulary's output layer is most of a step.
+TARGET = TINY.replace(vocab_size=8192, vocab_size_per_layer_input=8192)
 OPTIONS = {"max_ctx": 128, "prefill_chunk": 8, "block_size": 4}
 DRAFTS = 4
 
 
 @pytest.fixture(scope="module")
 def packed():
-    return synthetic_model(TINY, seed=0)
+    return synthetic_model(TARGET, seed=0)
 
 
 @pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory):
-    return write_synthetic_assistant(tmp_path_factory.mktemp("mtp") / "drafter", TINY, seed=3)
+    return write_synthetic_assistant(tmp_path_factory.mktemp("mtp") / "drafter", TARGET, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +72,7 @@ def plain(packed):
 
 def random_ids(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
-    return [TINY.bos_token_id] + torch.randint(3, TINY.vocab_size, (n - 1,), generator=g).tolist()
+    return [TARGET.bos_token_id] + torch.randint(3, TARGET.vocab_size, (n - 1,), generator=g).tolist()
 
 
 def prefill(engine: Engine, ids: list[int]) -> tuple[Sequence, torch.Tensor]:
@@ -85,7 +88,7 @@ def prefill(engine: Engine, ids: list[int]) -> tuple[Sequence, torch.Tensor]:
 def pool_kv(engine: Engine, slot: int, n: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """transformers' ``shared_kv_states`` [1, 1, n, d] of the slot's first n positions, from qat4's pool."""
     out = {}
-    for kind, layer in TINY.first_shared_types().items():
+    for kind, layer in TARGET.first_shared_types().items():
         rows = pool_rows(engine.pool.tables[kind], engine.pool.block_size, torch.full((n,), slot), torch.arange(n))
         out[kind] = (engine.pool.k[layer][rows][None, None], engine.pool.v[layer][rows][None, None])
     return out
@@ -104,7 +107,7 @@ def hf_draft_step(hf_drafter, target: Engine, token: int, hidden: torch.Tensor, 
 
 def test_a_synthetic_drafter_loads_in_transformers_with_the_same_tensors(drafter_dir, hf_drafter):
     checkpoint = load_assistant(drafter_dir)
-    assert checkpoint.config == synthetic_assistant_config(TINY)
+    assert checkpoint.config == synthetic_assistant_config(TARGET)
     state = hf_drafter.state_dict()
     for name, t in checkpoint.tensors.items():
         assert torch.equal(state[name].to(t.dtype), t), name
@@ -122,7 +125,7 @@ def test_the_synthetic_e2b_drafter_has_the_published_shape():
 def test_transformers_reads_the_config_qat4_writes_and_qat4_reads_it_back(drafter_dir):
     raw = json.loads((drafter_dir / "config.json").read_text())
     hf = Gemma4AssistantConfig(**raw)
-    assert hf.text_config.layer_types == list(synthetic_assistant_config(TINY).text.layer_types)
+    assert hf.text_config.layer_types == list(synthetic_assistant_config(TARGET).text.layer_types)
     assert load_assistant(drafter_dir).config.to_hf_dict() == raw
 
 
@@ -131,33 +134,33 @@ def _rewrite(folder, tensors: dict, config: dict | None = None):
     with SafetensorsWriter(folder, [Entry(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]) as w:
         for n, t in tensors.items():
             w.write(n, t)
-    (folder / "config.json").write_text(json.dumps(config or synthetic_assistant_config(TINY).to_hf_dict()))
+    (folder / "config.json").write_text(json.dumps(config or synthetic_assistant_config(TARGET).to_hf_dict()))
     return folder
 
 
 @pytest.mark.parametrize("change, message", [
     (lambda t, c: t.pop("pre_projection.weight"), "has no tensor pre_projection.weight"),
     (lambda t, c: t.__setitem__("model.norm.weight", torch.ones(7)), r"tensor model.norm.weight in .* is \[7\]; its config asks for \[32\]"),
-    (lambda t, c: t.__setitem__(ORDERING, torch.zeros_like(t[ORDERING])), "is not an ordering of the 262144 token ids"),
+    (lambda t, c: t.__setitem__(ORDERING, torch.zeros_like(t[ORDERING])), f"is not an ordering of the {TARGET.vocab_size} token ids"),
     (lambda t, c: t.__setitem__("model.layers.9.mlp.up_proj.weight", torch.zeros(2, 2)), "tensor model.layers.9.mlp.up_proj.weight in .* is not part of"),
     (lambda t, c: c.update(model_type="gemma4_text"), "is not an MTP drafter's config"),
     (lambda t, c: c["text_config"].update(num_kv_shared_layers=2), "num_kv_shared_layers must equal num_hidden_layers"),
     (lambda t, c: c.update(num_centroids=3), "num_centroids is 3; it must divide the vocabulary"),
-    (lambda t, c: t[ORDERING].masked_fill_(t[ORDERING] == 0, -1), "is not an ordering of the 262144 token ids"),
+    (lambda t, c: t[ORDERING].masked_fill_(t[ORDERING] == 0, -1), f"is not an ordering of the {TARGET.vocab_size} token ids"),
     (lambda t, c: c["text_config"].update(enable_moe_block=True), "has neither enable_moe_block nor use_double_wide_mlp"),
     (lambda t, c: c["text_config"].pop("num_hidden_layers"), "text_config.num_hidden_layers is None; it must be a positive"),
     (lambda t, c: c.update(text_config=[1]), "needs a text_config object"),
 ])
 def test_a_broken_drafter_checkpoint_is_one_clear_sentence(tmp_path, change, message):
-    tensors = synthetic_assistant_tensors(synthetic_assistant_config(TINY))
-    config = synthetic_assistant_config(TINY).to_hf_dict()
+    tensors = synthetic_assistant_tensors(synthetic_assistant_config(TARGET))
+    config = synthetic_assistant_config(TARGET).to_hf_dict()
     change(tensors, config)
     with pytest.raises(Qat4Error, match=message):
         load_assistant(_rewrite(tmp_path / "bad", tensors, config))
 
 
 def test_a_drafter_made_for_another_model_is_refused_before_anything_loads(packed, tmp_path):
-    other = write_synthetic_assistant(tmp_path / "e2b", E2B.replace(vocab_size=TINY.vocab_size, hidden_size=256), seed=1)
+    other = write_synthetic_assistant(tmp_path / "e2b", E2B.replace(vocab_size=TARGET.vocab_size, hidden_size=256), seed=1)
     with pytest.raises(Qat4Error, match="was made for a model of hidden size 256; this one has 128"):
         Engine.from_packed(packed, "cpu", speculative=f"mtp:{other}", **OPTIONS)
     with pytest.raises(Qat4Error, match="there is no folder or file|does not exist"):
@@ -241,8 +244,8 @@ def test_the_full_output_table_head_matches_transformers_without_ordered_embeddi
 
 
 def test_the_pool_keeps_the_keys_the_drafter_reads_behind_the_window(spec, plain):
-    assert plain.pool.window == TINY.sliding_window
-    assert spec.pool.window == TINY.sliding_window + 2  # W + 1 keys before the draft position, and the position
+    assert plain.pool.window == TARGET.sliding_window
+    assert spec.pool.window == TARGET.sliding_window + 2  # W + 1 keys before the draft position, and the position
     assert isinstance(spec.speculator.drafter, MTPDrafter) and spec.runner.last_hidden is not None
     assert set(spec.speculator.drafter.costs) == {(b, k) for b in spec.spec_sizes for k in range(1, 4)}
 
@@ -341,7 +344,7 @@ def test_the_drafter_loads_by_its_model_id_from_the_hugging_face_cache(tmp_path,
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text("0" * 40)
     snapshot = repo / "snapshots" / ("0" * 40)  # as huggingface_hub stores a download
-    write_synthetic_assistant(snapshot, TINY, seed=3)
+    write_synthetic_assistant(snapshot, TARGET, seed=3)
     by_id = load_assistant("google/gemma-4-E2B-it-qat-q4_0-unquantized-assistant")
     local = load_assistant(drafter_dir)
     assert by_id.source == snapshot and all(torch.equal(by_id.tensors[n], t) for n, t in local.tensors.items())
