@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import JSONResponse
+if TYPE_CHECKING:
+    from fastapi.responses import JSONResponse
 
 
 class APIError(Exception):
@@ -20,6 +21,8 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
+        from fastapi.responses import JSONResponse  # here: every qat4 command's parser reads the server's limits
+
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
