@@ -9,12 +9,14 @@ llama.cpp's `json_schema` or its GBNF `grammar` (one of them). The grammars them
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from qat4.chat.grammars import GrammarConstraint, grammars_for
 from qat4.server.chat_prompt import ReplyGrammar
 from qat4.server.errors import bad_request
 from qat4.server.schemas import CompletionRequest, SamplingRequest
+
+if TYPE_CHECKING:
+    from qat4.chat.grammars import GrammarConstraint, Grammars
 
 
 def check_constrainable(req: SamplingRequest, param: str) -> None:
@@ -24,16 +26,24 @@ def check_constrainable(req: SamplingRequest, param: str) -> None:
                           "ends.", param="ignore_eos")
 
 
+def _grammars(tokenizer: Any, stop_ids: Sequence[int]) -> Grammars:
+    """:func:`qat4.chat.grammars.grammars_for`, imported with the first constrained request: xgrammar
+    imports transformers, which would add about 1.5 s to every server start."""
+    from qat4.chat.grammars import grammars_for
+
+    return grammars_for(tokenizer, stop_ids)
+
+
 def chat_constraint(tokenizer: Any, stop_ids: Sequence[int], grammar: ReplyGrammar) -> GrammarConstraint:
     """The constraint of a chat reply that ends on ``stop_ids`` (the engine's)."""
-    grammars = grammars_for(tokenizer, stop_ids)
+    compiled = _grammars(tokenizer, stop_ids)
     if grammar.kind == "calls":
         try:
-            return grammars.tool_calls(grammar.tools, grammar.start, grammar.names, grammar.parallel)
+            return compiled.tool_calls(grammar.tools, grammar.start, grammar.names, grammar.parallel)
         except ValueError as exc:
             raise bad_request(f"The tools' parameter schemas cannot be enforced: {exc}.", param="tools") from None
     try:
-        return grammars.json(grammar.schema, grammar.thinking, grammar.prefix)
+        return compiled.json(grammar.schema, grammar.thinking, grammar.prefix)
     except ValueError as exc:
         raise bad_request(f"response_format.json_schema.schema cannot be enforced: {exc}.",
                           param="response_format.json_schema.schema") from None
@@ -50,13 +60,13 @@ def completion_constraint(tokenizer: Any, stop_ids: Sequence[int], req: Completi
     if len(given) > 1:
         raise bad_request(f"Give one of {' and '.join(given)}, not both: each constrains the whole text.", param=given[1])
     check_constrainable(req, given[0])
-    grammars = grammars_for(tokenizer, stop_ids)
+    compiled = _grammars(tokenizer, stop_ids)
     try:
         if req.grammar is not None:
-            return grammars.gbnf(req.grammar)
+            return compiled.gbnf(req.grammar)
         if req.json_schema is not None:
-            return grammars.json(req.json_schema)
-        return grammars.json(fmt.json_schema.schema_ if fmt.type == "json_schema" and fmt.json_schema else None)
+            return compiled.json(req.json_schema)
+        return compiled.json(fmt.json_schema.schema_ if fmt.type == "json_schema" and fmt.json_schema else None)
     except ValueError as exc:
         param = {"response_format": "response_format.json_schema.schema"}.get(given[0], given[0])
         raise bad_request(f"{param} cannot be enforced: {exc}.", param=param) from None
