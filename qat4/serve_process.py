@@ -73,10 +73,11 @@ def output_tail(output: IO[bytes], start: int = 0) -> str:
     return output.read().decode(errors="replace").rstrip() or "(nothing)"
 
 
-def fetch_health(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> httpx.Response | None:
-    """GET url/health, or None when nothing answers."""
+def fetch_health(url: str, timeout_s: float = HEALTH_TIMEOUT_S,
+                 client: httpx.Client | None = None) -> httpx.Response | None:
+    """GET url/health (through `client`, else a client of its own), or None when nothing answers."""
     try:
-        return httpx.get(f"{url}/health", timeout=timeout_s)
+        return (client or httpx).get(f"{url}/health", timeout=timeout_s)
     except httpx.TransportError:
         return None
 
@@ -92,10 +93,10 @@ def health_body(response: httpx.Response) -> dict | None:
     return body if isinstance(body, dict) and "status" in body and "model" in body else None
 
 
-def _answers_healthy(url: str, pid: int | None) -> bool:
+def _answers_healthy(url: str, pid: int | None, client: httpx.Client) -> bool:
     """Whether url/health answers 200 as a qat4 server, reporting `pid` when that is given (not another
     program on the port)."""
-    response = fetch_health(url)
+    response = fetch_health(url, client=client)
     body = None if response is None or response.status_code != 200 else health_body(response)
     return body is not None and (pid is None or body.get("pid") == pid)
 
@@ -103,19 +104,22 @@ def _answers_healthy(url: str, pid: int | None) -> bool:
 def wait_for_health(url: str, exit_code: Callable[[], int | None], last_output: Callable[[], str],
                     timeout_s: float, pid: int | None = None) -> None:
     """Return once `url/health` answers 200 (reporting `pid`, when that is given); raise Qat4Error
-    with the server's `last_output()` if `exit_code()` says it exited first, or if `timeout_s` passes."""
+    with the server's `last_output()` if `exit_code()` says it exited first, or if `timeout_s` passes.
+    One client asks every time (a client of its own for each request would load the CA certificates
+    anew: about 60 ms of CPU a poll, taken from the server that is starting)."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        code = exit_code()
-        if code is not None:
-            raise Qat4Error(f"the server exited with status {code} before {url}/health answered; "
-                            f"its last output:\n{last_output()}")
-        if _answers_healthy(url, pid):
-            return
-        if time.monotonic() > deadline:
-            raise Qat4Error(f"the server did not answer {url}/health within {timeout_s:g} s; "
-                            f"its last output:\n{last_output()}")
-        time.sleep(POLL_INTERVAL_S)
+    with httpx.Client() as client:
+        while True:
+            code = exit_code()
+            if code is not None:
+                raise Qat4Error(f"the server exited with status {code} before {url}/health answered; "
+                                f"its last output:\n{last_output()}")
+            if _answers_healthy(url, pid, client):
+                return
+            if time.monotonic() > deadline:
+                raise Qat4Error(f"the server did not answer {url}/health within {timeout_s:g} s; "
+                                f"its last output:\n{last_output()}")
+            time.sleep(POLL_INTERVAL_S)
 
 
 class Stoppable(Protocol):

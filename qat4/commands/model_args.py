@@ -39,7 +39,9 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
 
 def speculative_options(args: argparse.Namespace) -> dict:
     """The EngineConfig options of --speculative and --spec-tokens, checked before anything loads."""
-    from qat4.engine.config import MAX_SPEC_TOKENS, check_drafter
+    if args.speculative is None and args.spec_tokens is None:
+        return {"speculative": None}
+    from qat4.engine.config import MAX_SPEC_TOKENS, check_drafter  # imports torch: not for plain decoding
 
     if args.speculative is not None:
         check_drafter(args.speculative, "--speculative")
@@ -55,6 +57,8 @@ def speculative_options(args: argparse.Namespace) -> dict:
 def resolve_device(choice: str | None) -> str:
     """--device as given, else cuda when a GPU is visible, else cpu; --device cuda without a GPU
     is refused here, before anything loads."""
+    if choice == "cpu":  # torch takes seconds to import, which `qat4 serve --detach` would pay for nothing
+        return choice
     import torch
 
     if choice is None:

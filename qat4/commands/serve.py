@@ -172,15 +172,15 @@ def _run_detached(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qat4.engine.tuning import pinned_tilings_note
-    from qat4.server.app import create_app
-
     device, speculative = _check_arguments(args)
     if args.host not in LOOPBACK_HOSTS and not args.api_key:
         print(f"qat4 serve: warning: listening on {args.host} without --api-key; anyone who can reach it can use it",
               file=sys.stderr)
-    if args.detach:
+    if args.detach:  # the server it starts imports the engine and the app, this process need not
         return _run_detached(args)
+    from qat4.engine.tuning import pinned_tilings_note
+    from qat4.server.app import create_app
+
     engine = load_engine("serve", args.model, device, max_ctx=args.max_ctx, memory_cap_mib=args.memory_cap_mib,
                          max_num_seqs=args.max_num_seqs, kv_tokens=args.kv_tokens, prompt_cache_mib=args.prompt_cache_mib,
                          **speculative)
