@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from checkpoint_fixtures import SMALL, small_aux
 from transformers import Gemma4TextConfig
 
 from qat4.checkpoint.compressed_tensors import CompressedTensorsSource, write_ct
@@ -66,27 +67,38 @@ TOWERS = {
 # ---- fixtures: one synthetic model written once per format ----------------------------------------
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return synthetic_model(TINY, SEED)
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    """ct, ct-emb4 and qat-bf16 folders of the same synthetic model; the bf16 one (Google's
-    multimodal layout) also holds fake vision/audio tower tensors."""
-    root = tmp_path_factory.mktemp("formats")
-    aux = synthetic_aux()
-    write_ct(root / "ct", TINY, synthetic_tensors(TINY, SEED), aux, emb4=False)
-    write_ct(root / "ct-emb4", TINY, synthetic_tensors(TINY, SEED), aux, emb4=True)
-    write_qat_bf16(root / "qat-bf16", TINY, synthetic_tensors(TINY, SEED), aux)
+def write_formats(root, config: Gemma4Config, aux: AuxFiles) -> dict:
+    """ct, ct-emb4 and qat-bf16 folders under `root` of `config`'s synthetic model (seed SEED); the
+    bf16 one (Google's multimodal layout) also holds fake vision/audio tower tensors."""
+    write_ct(root / "ct", config, synthetic_tensors(config, SEED), aux, emb4=False)
+    write_ct(root / "ct-emb4", config, synthetic_tensors(config, SEED), aux, emb4=True)
+    write_qat_bf16(root / "qat-bf16", config, synthetic_tensors(config, SEED), aux)
     save_file(TOWERS, root / "qat-bf16" / "towers.safetensors")
     return {fmt: root / fmt for fmt in ("ct", "ct-emb4", "qat-bf16")}
 
 
 @pytest.fixture(scope="module")
-def sources(folders):
-    return {fmt: open_checkpoint(path) for fmt, path in folders.items()}
+def folders(tmp_path_factory):
+    """The three formats of the tiny preset with the real vocabulary and tokenizer: the published
+    layouts, and the folders the bad-input tests break."""
+    return write_formats(tmp_path_factory.mktemp("formats"), TINY, synthetic_aux())
+
+
+@pytest.fixture(scope="module")
+def small_folders(tmp_path_factory):
+    """The three formats of SMALL (a 1,024-token vocabulary), which the tests read back whole:
+    recovering the real vocabulary's 16-bit tables onto the grid takes seconds a format."""
+    return write_formats(tmp_path_factory.mktemp("small-formats"), SMALL, small_aux())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return synthetic_model(SMALL, SEED)
+
+
+@pytest.fixture(scope="module")
+def sources(small_folders):
+    return {fmt: open_checkpoint(path) for fmt, path in small_folders.items()}
 
 
 @pytest.fixture(scope="module")
@@ -142,14 +154,14 @@ def error_of(call) -> str:
 
 
 @pytest.mark.parametrize("fmt", ["ct", "ct-emb4", "qat-bf16"])
-def test_format_loads_the_same_levels_and_steps(fmt, folders, loaded, reference):
+def test_format_loads_the_same_levels_and_steps(fmt, small_folders, loaded, reference):
     model = loaded[fmt]
-    assert detect_format(folders[fmt]) == fmt
-    assert model.config == TINY.replace(tie_word_embeddings=fmt != "ct-emb4")
+    assert detect_format(small_folders[fmt]) == fmt
+    assert model.config == SMALL.replace(tie_word_embeddings=fmt != "ct-emb4")
     assert_same_model(model.tensors, reference.tensors)
     assert model.lm_head is None  # emb4's untied copy is identical, so one matrix serves both
     assert model.generation_config == GENERATION_CONFIG
-    assert model.source == folders[fmt]
+    assert model.source == small_folders[fmt]
 
 
 def test_every_format_gives_identical_logits(loaded, reference, tmp_path):
@@ -157,13 +169,13 @@ def test_every_format_gives_identical_logits(loaded, reference, tmp_path):
     from qat4.checkpoint.gguf.writer import write_gguf
     from qat4.engine import Engine
 
-    gguf = tmp_path / "tiny.gguf"
-    write_gguf(gguf, TINY, synthetic_tensors(TINY, SEED), synthetic_aux())
+    gguf = tmp_path / "small.gguf"
+    write_gguf(gguf, SMALL, synthetic_tensors(SMALL, SEED), small_aux())
     models = {**loaded, "gguf": load_packed(gguf)}
-    ids = [2, 651, 6437, 1007, 236764, 3, 42, 107, 9259, 1902, 108, 106]
+    ids = [2, 651, 437, 1007, 764, 3, 42, 107, 259, 902, 108, 106]
     logits = {fmt: Engine.from_packed(model).logits(ids) for fmt, model in models.items()}
     first = logits.pop("ct")
-    assert first.shape == (len(ids), TINY.vocab_size) and torch.isfinite(first).all()
+    assert first.shape == (len(ids), SMALL.vocab_size) and torch.isfinite(first).all()
     for fmt, got in logits.items():
         assert torch.equal(got, first), fmt
 
@@ -239,7 +251,7 @@ def test_emb4_layout(folders):
 
 def test_sharded_folder_round_trip(tmp_path, reference):
     out = tmp_path / "sharded"
-    write_ct(out, TINY, reference.tensors, AuxFiles(), emb4=True, shard_bytes=24 << 20)
+    write_ct(out, SMALL, reference.tensors, AuxFiles(), emb4=True, shard_bytes=1 << 20)
     index = json.loads((out / INDEX_FILE).read_text())
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
@@ -252,7 +264,7 @@ def test_sharded_folder_round_trip(tmp_path, reference):
 
 def test_multimodal_ct_with_towers(tmp_path, reference):
     out = tmp_path / "w4a16-ct"
-    write_ct(out, TINY, reference.tensors, AuxFiles(), emb4=True, text_only=False)
+    write_ct(out, SMALL, reference.tensors, AuxFiles(), emb4=True, text_only=False)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Gemma4ForConditionalGeneration"] and config["model_type"] == "gemma4"
     assert config["text_config"]["tie_word_embeddings"] is False and config["tie_word_embeddings"] is False
@@ -390,13 +402,13 @@ def test_not_a_checkpoint(tmp_path):
 
 def test_writer_rejects_incomplete_or_foreign_tensors(reference, tmp_path):
     partial = {k: v for k, v in reference.tensors.items() if k != "layers.2.mlp.up_proj"}
-    assert "layers.2.mlp.up_proj" in error_of(lambda: write_ct(tmp_path / "a", TINY, partial, AuxFiles(), emb4=True))
+    assert "layers.2.mlp.up_proj" in error_of(lambda: write_ct(tmp_path / "a", SMALL, partial, AuxFiles(), emb4=True))
     assert not (tmp_path / "a").exists() and not list(tmp_path.iterdir())
     foreign = {"layers.99.mlp.up_proj": reference.tensors["layers.2.mlp.up_proj"], **reference.tensors}
-    assert "layers.99.mlp.up_proj" in error_of(lambda: write_ct(tmp_path / "b", TINY, foreign, AuxFiles(), emb4=True))
+    assert "layers.99.mlp.up_proj" in error_of(lambda: write_ct(tmp_path / "b", SMALL, foreign, AuxFiles(), emb4=True))
     wrong = {"norm": torch.ones(64, dtype=torch.bfloat16)}  # first, so the write fails at once
     wrong.update((k, v) for k, v in reference.tensors.items() if k != "norm")
-    assert "tensor norm has shape [64]" in error_of(lambda: write_qat_bf16(tmp_path / "c", TINY, wrong, AuxFiles()))
+    assert "tensor norm has shape [64]" in error_of(lambda: write_qat_bf16(tmp_path / "c", SMALL, wrong, AuxFiles()))
     assert not list(tmp_path.iterdir())
 
 
