@@ -77,7 +77,9 @@ def fetch_health(url: str, timeout_s: float = HEALTH_TIMEOUT_S,
                  client: httpx.Client | None = None) -> httpx.Response | None:
     """GET url/health (through `client`, else a client of its own), or None when nothing answers."""
     try:
-        return (client or httpx).get(f"{url}/health", timeout=timeout_s)
+        if client is None:
+            return httpx.get(f"{url}/health", timeout=timeout_s)
+        return client.get(f"{url}/health", timeout=timeout_s)
     except httpx.TransportError:
         return None
 

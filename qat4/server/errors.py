@@ -21,7 +21,9 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        from fastapi.responses import JSONResponse  # here: every qat4 command's parser reads the server's limits
+        # Imported here: qat4.server.limits imports this module and every qat4 command's parser reads
+        # those limits, so FastAPI at the top would add most of a second to `qat4 --help`, status and stop.
+        from fastapi.responses import JSONResponse
 
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 

@@ -36,14 +36,14 @@ def _grammars(tokenizer: Any, stop_ids: Sequence[int]) -> Grammars:
 
 def chat_constraint(tokenizer: Any, stop_ids: Sequence[int], grammar: ReplyGrammar) -> GrammarConstraint:
     """The constraint of a chat reply that ends on ``stop_ids`` (the engine's)."""
-    compiled = _grammars(tokenizer, stop_ids)
+    grammars = _grammars(tokenizer, stop_ids)
     if grammar.kind == "calls":
         try:
-            return compiled.tool_calls(grammar.tools, grammar.start, grammar.names, grammar.parallel)
+            return grammars.tool_calls(grammar.tools, grammar.start, grammar.names, grammar.parallel)
         except ValueError as exc:
             raise bad_request(f"The tools' parameter schemas cannot be enforced: {exc}.", param="tools") from None
     try:
-        return compiled.json(grammar.schema, grammar.thinking, grammar.prefix)
+        return grammars.json(grammar.schema, grammar.thinking, grammar.prefix)
     except ValueError as exc:
         raise bad_request(f"response_format.json_schema.schema cannot be enforced: {exc}.",
                           param="response_format.json_schema.schema") from None
@@ -60,13 +60,13 @@ def completion_constraint(tokenizer: Any, stop_ids: Sequence[int], req: Completi
     if len(given) > 1:
         raise bad_request(f"Give one of {' and '.join(given)}, not both: each constrains the whole text.", param=given[1])
     check_constrainable(req, given[0])
-    compiled = _grammars(tokenizer, stop_ids)
+    grammars = _grammars(tokenizer, stop_ids)
     try:
         if req.grammar is not None:
-            return compiled.gbnf(req.grammar)
+            return grammars.gbnf(req.grammar)
         if req.json_schema is not None:
-            return compiled.json(req.json_schema)
-        return compiled.json(fmt.json_schema.schema_ if fmt.type == "json_schema" and fmt.json_schema else None)
+            return grammars.json(req.json_schema)
+        return grammars.json(fmt.json_schema.schema_ if fmt.type == "json_schema" and fmt.json_schema else None)
     except ValueError as exc:
         param = {"response_format": "response_format.json_schema.schema"}.get(given[0], given[0])
         raise bad_request(f"{param} cannot be enforced: {exc}.", param=param) from None
