@@ -57,8 +57,6 @@ def speculative_options(args: argparse.Namespace) -> dict:
 def resolve_device(choice: str | None) -> str:
     """--device as given, else cuda when a GPU is visible, else cpu; --device cuda without a GPU
     is refused here, before anything loads."""
-    if choice == "cpu":  # torch takes seconds to import, which `qat4 serve --detach` would pay for nothing
-        return choice
     import torch
 
     if choice is None:

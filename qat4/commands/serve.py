@@ -111,8 +111,9 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def _check_arguments(args: argparse.Namespace) -> tuple[str, dict]:
-    """Refuse bad flags before anything loads or starts; returns the device and the speculative options."""
+def _check_arguments(args: argparse.Namespace) -> tuple[str | None, dict]:
+    """Refuse bad flags before anything loads or starts; returns the device (--device as given with
+    --detach) and the speculative options."""
     if args.max_queue < 0:
         raise Qat4Error(f"--max-queue must be >= 0, got {args.max_queue}")
     for flag in ("max_messages", "max_tools", "max_prompt_chars"):
@@ -123,7 +124,9 @@ def _check_arguments(args: argparse.Namespace) -> tuple[str, dict]:
     if args.startup_timeout is not None and args.startup_timeout <= 0:
         raise Qat4Error(f"--startup-timeout must be more than 0 seconds, got {args.startup_timeout:g}")
     control.check_port(args.port)
-    return resolve_device(args.device), speculative_options(args)
+    # The server --detach starts resolves the device itself (and refuses cuda without a GPU), so
+    # this process need not import torch, seconds of a start.
+    return args.device if args.detach else resolve_device(args.device), speculative_options(args)
 
 
 def _serve_parser() -> argparse.ArgumentParser:
