@@ -9,8 +9,8 @@ past several windows and give back sliding blocks as they go.
 
 import pytest
 import torch
-from checkpoint_fixtures import SMALL
 
+from checkpoint_fixtures import SMALL
 from qat4.checkpoint.synth import synthetic_model
 from qat4.engine import Engine
 from qat4.engine.kv_cache import BlockAllocator, KVPool, PoolExhausted, pool_blocks

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from checkpoint_fixtures import SMALL, small_aux
 from transformers import Gemma4TextConfig
 
+from checkpoint_fixtures import SMALL, small_aux
 from qat4.checkpoint.compressed_tensors import CompressedTensorsSource, write_ct
 from qat4.checkpoint.loader import detect_format, load_packed, open_checkpoint, read_packed
 from qat4.checkpoint.packing import PackedTensor
@@ -64,7 +64,7 @@ TOWERS = {
 }
 
 
-# ---- fixtures: one synthetic model written once per format ----------------------------------------
+# ---- fixtures: two synthetic models, each written once per format -----------------------------------
 
 
 def write_formats(root, config: Gemma4Config, aux: AuxFiles) -> dict:

@@ -253,21 +253,21 @@ def test_the_pool_keeps_the_keys_the_drafter_reads_behind_the_window(spec, plain
 @pytest.mark.parametrize("n, new", [(3, 20), (13, 24), (30, 16)])
 def test_greedy_mtp_speculation_gives_the_plain_tokens(spec, plain, n, new):
     ids = random_ids(n, 40 + n)
-    want = plain.generate(ids, new, temperature=0)
-    got = spec.generate(ids, new, temperature=0)
+    want = plain.generate(ids, new, temperature=0, stop_token_ids=[])
+    got = spec.generate(ids, new, temperature=0, stop_token_ids=[])
     assert got.tokens == want.tokens and got.drafted > 0
 
 
 def test_seeded_sampling_with_mtp_drafts_gives_the_plain_tokens(spec, plain):
     ids = random_ids(9, 3)
-    options = {"temperature": 1.0, "top_k": 64, "top_p": 0.95, "seed": 11}
+    options = {"temperature": 1.0, "top_k": 64, "top_p": 0.95, "seed": 11, "stop_token_ids": []}
     assert spec.generate(ids, 20, **options).tokens == plain.generate(ids, 20, **options).tokens
 
 
 def test_a_batch_drafting_with_mtp_gets_every_plain_answer_and_gives_the_pool_back(spec, plain):
     prompts = [random_ids(n, 70 + n) for n in (2, 6, 11, 17)]
-    want = [plain.generate(p, 18, temperature=0).tokens for p in prompts]
-    seqs = [spec.add_request(p, 18, temperature=0) for p in prompts]
+    want = [plain.generate(p, 18, temperature=0, stop_token_ids=[]).tokens for p in prompts]
+    seqs = [spec.add_request(p, 18, temperature=0, stop_token_ids=[]) for p in prompts]
     while spec.has_work:
         spec.step()
     assert [s.output[: len(w)] for s, w in zip(seqs, want)] == want
@@ -318,10 +318,10 @@ def test_the_drafter_drafts_from_the_last_kept_drafts_state_in_the_engine(packed
     engine = Engine.from_packed(packed, "cpu", speculative=f"mtp:{drafter_dir}", spec_tokens=3, spec_adaptive=False,
                                 **OPTIONS)
     prompts = [random_ids(5, 1), random_ids(12, 2)]  # the second is past the window from the start
-    answers = {tuple(p): plain.generate(p, 20, temperature=0).tokens for p in prompts}
+    answers = {tuple(p): plain.generate(p, 20, temperature=0, stop_token_ids=[]).tokens for p in prompts}
     checker = CheckedDrafts(engine.speculator.drafter, drafter_dir, target, answers, 3)
     engine.speculator.use(checker)
-    seqs = [engine.add_request(p, 20, temperature=0) for p in prompts]
+    seqs = [engine.add_request(p, 20, temperature=0, stop_token_ids=[]) for p in prompts]
     while engine.has_work:
         engine.step()
     assert [s.output for s in seqs] == [answers[tuple(p)] for p in prompts]
@@ -330,7 +330,7 @@ def test_the_drafter_drafts_from_the_last_kept_drafts_state_in_the_engine(packed
 
 def test_mtp_drafts_are_weighed_at_their_cost_and_stop_when_never_kept(packed, drafter_dir):
     engine = Engine.from_packed(packed, "cpu", speculative=f"mtp:{drafter_dir}", spec_tokens=3, **OPTIONS)
-    out = engine.generate(random_ids(6, 9), 60, temperature=0)
+    out = engine.generate(random_ids(6, 9), 60, temperature=0, stop_token_ids=[])
     # random weights: the drafter's tokens are refused, so after the first few steps it stops drafting
     assert 0 < out.drafted and out.accepted <= 1
     assert engine.speculator.verified < 30
@@ -394,13 +394,14 @@ def test_mtp_drafting_stays_exact_through_preemption_and_prompt_cache_hits(packe
     engine = Engine.from_packed(packed, "cpu", speculative=f"mtp:{drafter_dir}", spec_tokens=3, spec_adaptive=False,
                                 **OPTIONS | {"kv_tokens": 48})
     prompts = [random_ids(9, 31), random_ids(11, 32), random_ids(13, 33)]
-    want = [plain.generate(p, 16, temperature=0).tokens for p in prompts]
-    seqs = [engine.add_request(p, 16, temperature=0) for p in prompts]
+    want = [plain.generate(p, 16, temperature=0, stop_token_ids=[]).tokens for p in prompts]
+    seqs = [engine.add_request(p, 16, temperature=0, stop_token_ids=[]) for p in prompts]
     while engine.has_work:
         engine.step()
     assert engine.scheduler.preempted_total > 0 and all(s.drafted > 0 for s in seqs)
     assert [s.output for s in seqs] == want
-    first = spec.generate(prompts[1], 12, temperature=0)
-    again = spec.generate(prompts[1] + first.tokens[:8], 6, temperature=0)  # a prefix the prompt cache holds
+    first = spec.generate(prompts[1], 12, temperature=0, stop_token_ids=[])
+    cached = prompts[1] + first.tokens[:8]  # a prefix the prompt cache holds
+    again = spec.generate(cached, 6, temperature=0, stop_token_ids=[])
     assert again.cached_tokens > 0 and again.drafted > 0
-    assert again.tokens == plain.generate(prompts[1] + first.tokens[:8], 6, temperature=0).tokens
+    assert again.tokens == plain.generate(cached, 6, temperature=0, stop_token_ids=[]).tokens

@@ -9,8 +9,8 @@ not text). Its window is 8 positions and the pool's blocks hold 4.
 
 import pytest
 import torch
-from checkpoint_fixtures import SMALL
 
+from checkpoint_fixtures import SMALL
 from qat4.checkpoint.synth import synthetic_model
 from qat4.engine import Engine
 from qat4.engine.kv_cache import BlockAllocator

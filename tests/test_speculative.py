@@ -15,8 +15,8 @@ import math
 
 import pytest
 import torch
-from checkpoint_fixtures import SMALL
 
+from checkpoint_fixtures import SMALL
 from qat4.checkpoint.synth import synthetic_model
 from qat4.engine import Engine
 from qat4.engine.kv_cache import sliding_blocks_per_seq
