@@ -12,8 +12,9 @@ A step has two parts, both enqueued before the host waits for anything:
 - **prompt chunks**: the tokens of one or more prompts as one flat batch. On CUDA a step's chunks
   run padded to the next of :func:`~qat4.engine.graphs.chunk_graph_sizes` (up to
   ``prefill_chunk`` tokens, so every step the scheduler makes), replayed from a graph of that size
-  when graphs are on (so a graph and an eager engine compute the same). One graph per size serves one sequence, another up to
-  min(size, max_num_seqs) sequences, the unused ones empty; the padding rows belong to no
+  when graphs are on (so a graph and an eager engine compute the same). One graph per size serves
+  one sequence, another up to min(size, max_num_seqs) sequences, the unused ones empty; the
+  padding rows belong to no
   sequence (no query attends from them, every other op is row by row) and store their K/V on the
   scratch row; the picks of chunks that do not end their prompt, and of the empty sequences, land
   on the scratch row too. Without the padding a prompt step is some 700 launches from Python (40
