@@ -329,11 +329,22 @@ def test_the_drafter_drafts_from_the_last_kept_drafts_state_in_the_engine(packed
 
 
 def test_mtp_drafts_are_weighed_at_their_cost_and_stop_when_never_kept(packed, drafter_dir):
-    engine = Engine.from_packed(packed, "cpu", speculative=f"mtp:{drafter_dir}", spec_tokens=3, **OPTIONS)
-    out = engine.generate(random_ids(6, 9), 60, temperature=0, stop_token_ids=[])
-    # random weights: the drafter's tokens are refused, so after the first few steps it stops drafting
-    assert 0 < out.drafted and out.accepted <= 1
-    assert engine.speculator.verified < 30
+    def generate(draft_s: float):
+        """60 tokens where a step costs 1 s plus 0.05 s a row and each draft ``draft_s``: costs set,
+        not measured, so the choice does not follow this machine's timing (a real step's 0.01 s
+        leaves no host time beyond them)."""
+        engine = Engine.from_packed(packed, "cpu", speculative=f"mtp:{drafter_dir}", spec_tokens=3, **OPTIONS)
+        spec = engine.speculator
+        spec.costs = {(b, q): 1.0 + 0.05 * (q - 1) for b, q in spec.costs}
+        spec.drafter.costs = {(b, k): draft_s * k for b, k in spec.drafter.costs}
+        return engine.generate(random_ids(6, 9), 60, temperature=0, stop_token_ids=[]), spec
+
+    # cheap drafts are tried; random weights: they are refused, so after the first few steps it stops drafting
+    out, spec = generate(0.1)
+    assert 0 < out.drafted and out.accepted <= 1 and spec.verified < 30
+    # drafts that cost more than a step never pay, even at the prior's 2 in 3
+    out, spec = generate(1.0)
+    assert out.drafted == 0 and spec.verified == 0
 
 
 def test_the_drafter_loads_by_its_model_id_from_the_hugging_face_cache(tmp_path, monkeypatch, drafter_dir):
