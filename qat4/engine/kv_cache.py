@@ -194,7 +194,11 @@ class KVPool:
             self.k[i] = torch.zeros(rows, d, dtype=dtype, device=device)
             self.v[i] = torch.zeros(rows, d, dtype=dtype, device=device)
         width = math.ceil(max_ctx / block_size)
-        self.tables = {kind: torch.zeros(max_seqs + 1, width, dtype=torch.int32, device=device) for kind in blocks}
+        # every kind's table in one tensor [kinds, max_seqs + 1, width]: a step's new entries go in with one copy
+        self._table_store = torch.zeros(len(blocks), max_seqs + 1, width, dtype=torch.int32, device=device)
+        self.tables = {kind: self._table_store[i] for i, kind in enumerate(blocks)}
+        self._table_offset = {kind: i * (max_seqs + 1) * width for i, kind in enumerate(blocks)}  # in the flat store
+        self._table_width = width
         self._held: list[dict[str, list[int]]] = [{kind: [] for kind in blocks} for _ in range(max_seqs)]
         self._live_from = [0] * max_seqs  # first sliding block index still held, per slot
         self._free_slots = list(range(max_seqs - 1, -1, -1))
@@ -357,13 +361,15 @@ class KVPool:
 
     def flush(self) -> None:
         """Write the table entries of the blocks allocated since the last flush to the device,
-        without waiting for it (from pinned memory, which is not reused before the copy ran). An
-        entry written twice keeps its last block (``index_put_`` leaves duplicates undefined)."""
+        without waiting for it (from pinned memory, which is not reused before the copy ran): every
+        kind's entries in one upload and one indexed copy, since a speculating step's GPU waits
+        for this. An entry written twice keeps its last block."""
+        last = {}
         for kind, updates in self._updates.items():
-            if updates:
-                last = {(slot, i): block for slot, i, block in updates}
-                entries = list(last)
-                rows = [[slot for slot, _ in entries], [i for _, i in entries], list(last.values())]
-                index = self.uploads.new(rows)
-                self.tables[kind].index_put_((index[0], index[1]), index[2].to(torch.int32))
-                updates.clear()
+            offset = self._table_offset[kind]
+            for slot, i, block in updates:
+                last[offset + slot * self._table_width + i] = block
+            updates.clear()
+        if last:
+            index, blocks = self.uploads.new([list(last), list(last.values())])
+            self._table_store.view(-1).index_copy_(0, index, blocks.to(torch.int32))
