@@ -4,7 +4,7 @@
 # ./out). Compiled kernels stay in $TRITON_CACHE_DIR (default /tmp/qat4_triton_cache); the cache
 # also leaves as $OUT/triton_cache.tar.xz.NN (15 MiB parts), and parts found in .triton_cache/ are
 # unpacked into it first, so a fresh machine starts with the kernels an earlier one compiled.
-#   usage: tools/gpu_check.sh STEP...   steps: kernels sweep tests bench cap tune serve load overhead turns eval spec mtp grammar profile all
+#   usage: tools/gpu_check.sh STEP...   steps: kernels sweep tests bench cap tune serve load overhead turns eval spec specstep mtp grammar profile all
 #     kernels  the int4 kernels at E2B decode shapes: GEMV, decode-batch kernel and GEMM at 2, 16, 64 rows;
 #              the batch kernel again with one dot a step (ONE_DOT) at 16 and 64
 #     sweep    every decode-batch tiling at 4, 16 and 64 rows (tools/bench_w4.py --sweep)
@@ -21,7 +21,9 @@
 #              clients, with their wall times (data from $EVAL_DATA, default ../shared/data; EVAL_TASKS picks)
 #     spec     qat4 bench speculative: verification cost and speed-up at acceptance 0 .. 0.9, batch 1 and 16, 256 new
 #              tokens a sequence ($SPEC_NEW); $SPEC_KS picks the draft counts
-#     mtp      the same with a synthetic E2B MTP drafter: its drafts' cost, paid in every replayed step
+#     specstep where a speculating step's period goes, one stream, k = 3, acceptance 0 / 0.7 / 0.9 twice each
+#              (tools/spec_step.py)
+#     mtp      the same as spec with a synthetic E2B MTP drafter: its drafts' cost, paid in every replayed step
 #     grammar  the decode step with every row constrained by a JSON schema against unconstrained, at 1 and 16 rows
 #              (tools/bench_grammar.py --engine)
 #     profile  tools/profile_step.py at 1 and 64 sequences
@@ -112,6 +114,10 @@ fi
 if want spec; then
     timeout ${SPEC_TIMEOUT:-300} python3 -m qat4.cli bench speculative "${E2B[@]}" --batch 1,16 --acceptance 0,0.3,0.5,0.7,0.9 \
         --k ${SPEC_KS:-1,2,3,4,6,8} --new ${SPEC_NEW:-256} --context 512 --json "$LOGS/bench_spec.json" 2>&1 | tee "$LOGS/bench_spec.log" | tail -40
+fi
+if want specstep; then
+    timeout ${SPECSTEP_TIMEOUT:-200} python3 tools/spec_step.py "${E2B[@]}" --json "$LOGS/spec_step.json" 2>&1 \
+        | tee "$LOGS/spec_step.log" | tail -8
 fi
 if want mtp; then
     python3 -m qat4.cli synth --assistant --preset e2b --out /tmp/qat4_mtp_e2b --force >/dev/null

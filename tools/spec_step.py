@@ -1,0 +1,168 @@
+"""Where the period of a speculating step goes, one stream: the device's share and the host's, by phase.
+
+    python tools/spec_step.py [--acceptance 0,0.7,0.9] [--k 3] [--repeat 2] [--new 256] [--context 512]
+
+A step that verifies drafts waits for the step before it (its drafts follow the newest tokens), so
+the host's work between that read and the next graph replay is time the GPU idles
+(:mod:`qat4.engine.speculation`). This builds the engine as ``qat4 bench speculative`` does, decodes
+one greedy stream with drafts replayed from its plain continuation at each acceptance (k drafts
+every step, then the engine's adaptive choice), ``--repeat`` times each, and times the engine's
+calls around every speculating step:
+
+- ``device wait``: the read's wait for the step's tokens (the GPU's share of the period);
+- ``host``: the rest of the step (``whole step`` less ``device wait``), and in it ``schedule``,
+  ``propose``, ``launch`` with its parts ``flush`` (block-table entries), ``run_decode`` (the rows'
+  upload and the graph's replay, ``replay`` alone) and ``send back`` (the tokens' copy to the host
+  and its event), and ``tolist`` (the tokens read into Python).
+
+Each phase is printed as mean / median µs per speculating step. Running an acceptance twice shows
+how much the host's own speed moves between runs.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from qat4.bench_speculative import ReplayDrafter, _decode  # noqa: E402
+from qat4.commands.bench import load_packed_for_bench  # noqa: E402
+from qat4.commands.model_args import DEVICES, resolve_device  # noqa: E402
+from qat4.engine import Engine  # noqa: E402
+from qat4.engine import model_runner  # noqa: E402
+
+
+@contextmanager
+def timed_phases(engine: Engine, spans: dict[str, list[float]]):
+    """Within it, every speculating step appends its seconds to ``spans["whole step"]``, its wait
+    for the device to ``spans["device wait"]``, the rest to ``spans["host"]``, and each phase it
+    runs to ``spans[phase]`` (phases outside speculating steps are not timed)."""
+    step: dict = {"inside": False, "wait": 0.0}
+    restore = []
+
+    def timed(original, phase: str):
+        def call(*args, **kwargs):
+            if not step["inside"]:
+                return original(*args, **kwargs)
+            start = time.perf_counter()
+            result = original(*args, **kwargs)
+            spans[phase].append(time.perf_counter() - start)
+            return result
+        return call
+
+    def whole(original):
+        def call(*args, **kwargs):
+            step["inside"], step["wait"] = True, 0.0
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                seconds = time.perf_counter() - start
+                step["inside"] = False
+                spans["whole step"].append(seconds)
+                spans["device wait"].append(step["wait"])
+                spans["host"].append(seconds - step["wait"])
+        return call
+
+    def read(original):
+        def call(self):
+            start = time.perf_counter()
+            if self.event is not None:
+                self.event.synchronize()
+            waited = time.perf_counter()
+            tokens = original(self)
+            if step["inside"]:
+                step["wait"] += waited - start
+                spans["tolist"].append(time.perf_counter() - waited)
+            return tokens
+        return call
+
+    def wrap(owner, name: str, wrapper) -> None:
+        original = getattr(owner, name)
+        setattr(owner, name, wrapper(original))
+        restore.append((owner, name, original))
+
+    runner = engine.runner
+    wrap(engine, "_speculative_step", whole)
+    wrap(model_runner.StepTokens, "read", read)
+    for owner, name, phase in [(engine.scheduler, "schedule", "schedule"), (engine.speculator, "propose", "propose"),
+                               (engine, "_launch", "launch"), (runner.pool, "flush", "flush"),
+                               (runner, "run_decode", "run_decode"), (runner, "replay", "replay"),
+                               (runner, "_send", "send back")]:
+        wrap(owner, name, lambda original, phase=phase: timed(original, phase))
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(restore):
+            setattr(owner, name, original)
+
+
+PHASES = ["whole step", "device wait", "host", "schedule", "propose", "launch", "flush", "run_decode", "replay",
+          "send back", "tolist"]
+
+
+def summary(spans: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Mean and median µs per speculating step of each phase that ran, in PHASES' order."""
+    return {phase: [statistics.mean(spans[phase]) * 1e6, statistics.median(spans[phase]) * 1e6]
+            for phase in PHASES if spans.get(phase)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="synthetic:e2b", help="as for qat4 bench (default: %(default)s)")
+    p.add_argument("--device", choices=DEVICES, help="default: cuda when a GPU is visible, else cpu")
+    p.add_argument("--acceptance", default="0,0.7,0.9", help="replayed drafts' acceptance rates (default: %(default)s)")
+    p.add_argument("--k", type=int, default=3, help="drafts a step (default: %(default)s)")
+    p.add_argument("--repeat", type=int, default=2, help="runs of each acceptance (default: %(default)s)")
+    p.add_argument("--new", type=int, default=256, help="tokens decoded a run (default: %(default)s)")
+    p.add_argument("--context", type=int, default=512, help="prompt tokens (default: %(default)s)")
+    p.add_argument("--json", help="write the runs here as JSON")
+    args = p.parse_args(argv)
+    device = torch.device(resolve_device(args.device))
+    ctx = args.context + args.new + 16
+    engine = Engine.from_packed(load_packed_for_bench(args.model, device, 0), device, max_ctx=ctx, max_num_seqs=1,
+                                kv_tokens=ctx, speculative="ngram", spec_tokens=args.k)
+    speculator = engine.speculator
+    prompt = torch.randint(3, engine.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
+    prompts = [prompt.tolist()]
+    engine.speculator = None
+    _decode(engine, prompts, args.new)  # warm
+    plain, seqs = _decode(engine, prompts, args.new)
+    engine.speculator = speculator
+    futures = {0: seqs[0].output}
+    print(f"{args.model} on {device}: plain decoding {plain:,.1f} tok/s; a step verifying k drafts, µs: "
+          + ", ".join(f"k={q - 1} {speculator.costs[(1, q)] * 1e6:,.0f}" for q in range(1, args.k + 2)))
+    runs = []
+    for a in [float(x) for x in args.acceptance.split(",")]:
+        for _ in range(args.repeat):
+            for k in [args.k, None]:
+                speculator.use(ReplayDrafter({}, a, engine.config.vocab_size))
+                speculator.adaptive, speculator.max_tokens = k is None, args.k
+                spans: dict[str, list[float]] = defaultdict(list)
+                verified, kept = speculator.verified, speculator.accepted
+                with timed_phases(engine, spans):
+                    tok_s, _ = _decode(engine, prompts, args.new, futures)
+                phases = summary(spans) if spans["whole step"] else {}
+                run = {"acceptance": a, "k": k, "tok_s": tok_s, "speedup": tok_s / plain,
+                       "verified": speculator.verified - verified, "kept": speculator.accepted - kept,
+                       "speculating_steps": len(spans["whole step"]), "phases_us": phases}
+                runs.append(run)
+                shown = " ".join(f"{name} {m:,.0f}/{md:,.0f}" for name, (m, md) in phases.items())
+                print(f"a={a} k={k or 'adaptive'}: {tok_s:,.1f} tok/s ({tok_s / plain:.2f}x), {run['verified']} "
+                      f"verifications keeping {run['kept']} drafts; µs per step, mean/median: {shown}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "device": str(device), "plain_tok_s": plain,
+                                               "runs": runs}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
