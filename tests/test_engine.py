@@ -49,6 +49,25 @@ def test_load_reads_folder(engine):
     assert engine.nbytes["kv_cache"] == engine.pool.nbytes > 0
 
 
+def test_the_block_tables_share_one_tensor_at_aligned_starts_and_take_their_entries_in_one_flush():
+    from qat4.config import FULL, SLIDING
+    from qat4.engine.kv_cache import TABLE_ALIGN, KVPool, pool_nbytes
+
+    blocks = {FULL: 16, SLIDING: 16}
+    pool = KVPool(TINY, blocks, block_size=4, max_seqs=3, max_ctx=30, device=torch.device("cpu"), dtype=torch.float32)
+    assert pool.nbytes == pool_nbytes(TINY, blocks, 4, 3, 30, torch.float32)
+    starts = [t.storage_offset() for t in pool.tables.values()]
+    assert starts[0] == 0 and all(start % TABLE_ALIGN == 0 for start in starts) and starts[1] >= 4 * 8
+    a, b = pool.open_slot(), pool.open_slot()
+    pool.grow(a, 12, 0)
+    pool.grow(b, 30, 0)  # to the table's last entry
+    pool.flush()
+    for kind in blocks:
+        for slot, n in ((a, 3), (b, 8)):
+            assert pool.tables[kind][slot, :n].tolist() == pool._held[slot][kind] and all(pool._held[slot][kind])
+        assert pool.tables[kind][[2, 3]].count_nonzero() == 0  # the free slot and the scratch row
+
+
 def test_default_context_is_the_models(checkpoint):
     assert Engine.load(checkpoint).max_ctx == TINY.max_position_embeddings  # min(131072, 4096)
 

@@ -42,6 +42,8 @@ from qat4.config import FULL, SLIDING, Gemma4Config
 from qat4.engine.prefix import RecentChains
 from qat4.engine.uploads import Uploader
 
+TABLE_ALIGN = 64  # entries (256 bytes) between the starts of the block tables in their shared tensor
+
 
 class PoolExhausted(Exception):
     """The pool has fewer free blocks (or slots) than asked for."""
@@ -166,11 +168,18 @@ def block_nbytes(config: Gemma4Config, kind: str, block_size: int, dtype: torch.
                for i in range(config.first_kv_shared_layer) if config.layer_types[i] == kind)
 
 
+def table_stride(max_seqs: int, max_ctx: int, block_size: int) -> int:
+    """Entries from one kind's block table [max_seqs + 1, ceil(max_ctx / block_size)] to the next
+    in the pool's shared table tensor: the table, rounded up to TABLE_ALIGN."""
+    entries = (max_seqs + 1) * math.ceil(max_ctx / block_size)
+    return -(-entries // TABLE_ALIGN) * TABLE_ALIGN
+
+
 def pool_nbytes(config: Gemma4Config, blocks: dict[str, int], block_size: int, max_seqs: int, max_ctx: int,
                 dtype: torch.dtype) -> int:
     """Device bytes of a :class:`KVPool` with these blocks, without allocating."""
     kv = sum(n * block_nbytes(config, kind, block_size, dtype) for kind, n in blocks.items())
-    return kv + len(blocks) * (max_seqs + 1) * math.ceil(max_ctx / block_size) * 4
+    return kv + len(blocks) * table_stride(max_seqs, max_ctx, block_size) * 4
 
 
 class KVPool:
@@ -194,10 +203,13 @@ class KVPool:
             self.k[i] = torch.zeros(rows, d, dtype=dtype, device=device)
             self.v[i] = torch.zeros(rows, d, dtype=dtype, device=device)
         width = math.ceil(max_ctx / block_size)
-        # every kind's table in one tensor [kinds, max_seqs + 1, width]: a step's new entries go in with one copy
-        self._table_store = torch.zeros(len(blocks), max_seqs + 1, width, dtype=torch.int32, device=device)
-        self.tables = {kind: self._table_store[i] for i, kind in enumerate(blocks)}
-        self._table_offset = {kind: i * (max_seqs + 1) * width for i, kind in enumerate(blocks)}  # in the flat store
+        # every kind's table [max_seqs + 1, width] in one flat tensor, so a step's new entries go in
+        # with one copy; each starts TABLE_ALIGN entries apart (kernels keep their aligned variants)
+        entries, stride = (max_seqs + 1) * width, table_stride(max_seqs, max_ctx, block_size)
+        self._table_store = torch.zeros(len(blocks) * stride, dtype=torch.int32, device=device)
+        self._table_offset = {kind: i * stride for i, kind in enumerate(blocks)}
+        self.tables = {kind: self._table_store[o : o + entries].view(max_seqs + 1, width)
+                       for kind, o in self._table_offset.items()}
         self._table_width = width
         self._held: list[dict[str, list[int]]] = [{kind: [] for kind in blocks} for _ in range(max_seqs)]
         self._live_from = [0] * max_seqs  # first sliding block index still held, per slot
@@ -212,7 +224,7 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         kv = sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
-        return kv + sum(t.numel() * t.element_size() for t in self.tables.values())
+        return kv + self._table_store.numel() * self._table_store.element_size()
 
     @property
     def capacity_tokens(self) -> int:
@@ -368,8 +380,9 @@ class KVPool:
         for kind, updates in self._updates.items():
             offset = self._table_offset[kind]
             for slot, i, block in updates:
+                assert i < self._table_width, f"block {i} of slot {slot} is past the table's {self._table_width}"
                 last[offset + slot * self._table_width + i] = block
             updates.clear()
         if last:
             index, blocks = self.uploads.new([list(last), list(last.values())])
-            self._table_store.view(-1).index_copy_(0, index, blocks.to(torch.int32))
+            self._table_store.index_copy_(0, index, blocks.to(torch.int32))
