@@ -21,12 +21,16 @@ def test_every_speculating_step_is_split_into_the_devices_wait_and_the_hosts_pha
     never, always = runs[(0.0, 3)], runs[(1.0, 3)]
     assert never["kept"] == 0 and never["verified"] >= 10  # a token a step, every step verifying
     assert always["kept"] == 3 * always["verified"] and always["verified"] <= 4  # 12 tokens, 4 a step
+    for run in runs.values():
+        # timed: the steps that launch drafts and the one that reads the last of them, never plain steps
+        verified = run["verified"]
+        assert verified + (verified > 0) <= run["speculating_steps"] <= 2 * verified
     for run in (never, always):
-        phases = run["phases_us"]
+        phases = {name: mean for name, (mean, _) in run["phases_us"].items()}
         assert list(phases) == spec_step.PHASES  # every phase timed, in order
-        whole, wait, host = (phases[name][0] for name in ("whole step", "device wait", "host"))
-        assert abs(whole - wait - host) < 1e-3 * whole and host > 0
-        assert phases["launch"][0] >= phases["run_decode"][0] >= phases["replay"][0] > 0
+        assert phases["schedule"] + phases["propose"] + phases["launch"] + phases["tolist"] <= phases["host"]
+        assert phases["launch"] >= phases["flush"] + phases["run_decode"] + phases["send back"]
+        assert phases["run_decode"] >= phases["replay"] > 0
 
 
 def test_the_timing_wrappers_go_once_the_timed_block_ends():
@@ -36,7 +40,7 @@ def test_the_timing_wrappers_go_once_the_timed_block_ends():
 
     engine = spec_step.Engine.from_packed(synthetic_model(SMALL, seed=0), "cpu", max_ctx=64, speculative="ngram",
                                           spec_tokens=2)
-    wrapped = [(engine, "_speculative_step"), (engine.scheduler, "schedule"), (engine.speculator, "propose"),
+    wrapped = [(engine, "step"), (engine, "_speculative_step"), (engine.scheduler, "schedule"), (engine.speculator, "propose"),
                (engine, "_launch"), (engine.runner.pool, "flush"), (engine.runner, "run_decode"),
                (engine.runner, "replay"), (engine.runner, "_send")]
     read = StepTokens.read
@@ -45,4 +49,4 @@ def test_the_timing_wrappers_go_once_the_timed_block_ends():
         assert all(not hasattr(getattr(owner, name), "__func__") for owner, name in wrapped)  # timers, not methods
     assert StepTokens.read is read
     for owner, name in wrapped:
-        assert getattr(owner, name).__func__ is getattr(type(owner), name), name
+        assert name not in vars(owner) and getattr(owner, name).__func__ is getattr(type(owner), name), name

@@ -117,7 +117,7 @@ if want spec; then
 fi
 if want specstep; then
     timeout ${SPECSTEP_TIMEOUT:-200} python3 tools/spec_step.py "${E2B[@]}" --json "$LOGS/spec_step.json" 2>&1 \
-        | tee "$LOGS/spec_step.log" | tail -8
+        | tee "$LOGS/spec_step.log" | tail -13
 fi
 if want mtp; then
     python3 -m qat4.cli synth --assistant --preset e2b --out /tmp/qat4_mtp_e2b --force >/dev/null

@@ -6,8 +6,9 @@ A step that verifies drafts waits for the step before it (its drafts follow the 
 the host's work between that read and the next graph replay is time the GPU idles
 (:mod:`qat4.engine.speculation`). This builds the engine as ``qat4 bench speculative`` does, decodes
 one greedy stream with drafts replayed from its plain continuation at each acceptance (k drafts
-every step, then the engine's adaptive choice), ``--repeat`` times each, and times the engine's
-calls around every speculating step:
+every step, then the engine's adaptive choice), ``--repeat`` times each, and times every engine
+step that speculates (``whole step``, one :meth:`Engine.step` call: a step launching drafts, or
+reading the last step that did) and the engine's calls in it:
 
 - ``device wait``: the read's wait for the step's tokens (the GPU's share of the period);
 - ``host``: the rest of the step (``whole step`` less ``device wait``), and in it ``schedule``,
@@ -42,34 +43,40 @@ from qat4.engine import model_runner  # noqa: E402
 
 @contextmanager
 def timed_phases(engine: Engine, spans: dict[str, list[float]]):
-    """Within it, every speculating step appends its seconds to ``spans["whole step"]``, its wait
-    for the device to ``spans["device wait"]``, the rest to ``spans["host"]``, and each phase it
-    runs to ``spans[phase]`` (phases outside speculating steps are not timed)."""
-    step: dict = {"inside": False, "wait": 0.0}
+    """Within it, every engine step that speculates appends its seconds to ``spans["whole step"]``
+    (the whole :meth:`Engine.step` call), its wait for the device to ``spans["device wait"]``, the
+    rest to ``spans["host"]``, and to ``spans[phase]`` the seconds of each phase's calls in it
+    (0 for a phase it did not run). Steps that do not speculate leave no trace."""
+    step: dict[str, float] = defaultdict(float)  # the step being run: seconds per phase, and a flag
     restore = []
 
     def timed(original, phase: str):
         def call(*args, **kwargs):
-            if not step["inside"]:
-                return original(*args, **kwargs)
             start = time.perf_counter()
             result = original(*args, **kwargs)
-            spans[phase].append(time.perf_counter() - start)
+            step[phase] += time.perf_counter() - start
             return result
+        return call
+
+    def speculating(original):
+        def call(*args, **kwargs):
+            step["speculated"] = 1.0
+            return original(*args, **kwargs)
         return call
 
     def whole(original):
         def call(*args, **kwargs):
-            step["inside"], step["wait"] = True, 0.0
+            step.clear()
             start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                seconds = time.perf_counter() - start
-                step["inside"] = False
+            result = original(*args, **kwargs)
+            seconds = time.perf_counter() - start
+            if step.pop("speculated", 0.0):
                 spans["whole step"].append(seconds)
-                spans["device wait"].append(step["wait"])
-                spans["host"].append(seconds - step["wait"])
+                spans["host"].append(seconds - step["device wait"])
+                for phase in PHASES[1:]:
+                    if phase != "host":
+                        spans[phase].append(step[phase])
+            return result
         return call
 
     def read(original):
@@ -79,19 +86,18 @@ def timed_phases(engine: Engine, spans: dict[str, list[float]]):
                 self.event.synchronize()
             waited = time.perf_counter()
             tokens = original(self)
-            if step["inside"]:
-                step["wait"] += waited - start
-                spans["tolist"].append(time.perf_counter() - waited)
+            step["device wait"] += waited - start
+            step["tolist"] += time.perf_counter() - waited
             return tokens
         return call
 
     def wrap(owner, name: str, wrapper) -> None:
-        original = getattr(owner, name)
-        setattr(owner, name, wrapper(original))
-        restore.append((owner, name, original))
+        restore.append((owner, name, owner.__dict__.get(name)))  # None: the method is the class's
+        setattr(owner, name, wrapper(getattr(owner, name)))
 
     runner = engine.runner
-    wrap(engine, "_speculative_step", whole)
+    wrap(engine, "step", whole)
+    wrap(engine, "_speculative_step", speculating)
     wrap(model_runner.StepTokens, "read", read)
     for owner, name, phase in [(engine.scheduler, "schedule", "schedule"), (engine.speculator, "propose", "propose"),
                                (engine, "_launch", "launch"), (runner.pool, "flush", "flush"),
@@ -101,8 +107,11 @@ def timed_phases(engine: Engine, spans: dict[str, list[float]]):
     try:
         yield
     finally:
-        for owner, name, original in reversed(restore):
-            setattr(owner, name, original)
+        for owner, name, own in reversed(restore):
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
 
 
 PHASES = ["whole step", "device wait", "host", "schedule", "propose", "launch", "flush", "run_decode", "replay",
@@ -110,7 +119,7 @@ PHASES = ["whole step", "device wait", "host", "schedule", "propose", "launch", 
 
 
 def summary(spans: dict[str, list[float]]) -> dict[str, list[float]]:
-    """Mean and median µs per speculating step of each phase that ran, in PHASES' order."""
+    """Mean and median µs per speculating step of each phase, in PHASES' order."""
     return {phase: [statistics.mean(spans[phase]) * 1e6, statistics.median(spans[phase]) * 1e6]
             for phase in PHASES if spans.get(phase)}
 
