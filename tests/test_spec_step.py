@@ -11,10 +11,12 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tools"))
 import spec_step  # noqa: E402
 
 
-def test_every_speculating_step_is_split_into_the_devices_wait_and_the_hosts_phases(tmp_path):
+def test_every_speculating_step_is_split_into_the_devices_wait_and_the_hosts_phases(tmp_path, capsys):
     out = tmp_path / "spec.json"
     assert spec_step.main(["--model", "synthetic:tiny", "--device", "cpu", "--new", "12", "--context", "16",
-                           "--acceptance", "0,1", "--repeat", "1", "--json", str(out)]) == 0
+                           "--acceptance", "0,1", "--repeat", "1", "--json", str(out), "--profile", "5"]) == 0
+    profile = capsys.readouterr().out.split("under cProfile, ")[1].splitlines()
+    assert profile[0].startswith("4 speculating steps") and len(profile) == 6  # a = 1: 12 tokens, 4 a step, 3 drafts kept
     result = json.loads(out.read_text())
     runs = {(r["acceptance"], r["k"]): r for r in result["runs"]}
     assert set(runs) == {(0.0, 3), (0.0, None), (1.0, 3), (1.0, None)}

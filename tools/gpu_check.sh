@@ -21,8 +21,8 @@
 #              clients, with their wall times (data from $EVAL_DATA, default ../shared/data; EVAL_TASKS picks)
 #     spec     qat4 bench speculative: verification cost and speed-up at acceptance 0 .. 0.9, batch 1 and 16, 256 new
 #              tokens a sequence ($SPEC_NEW); $SPEC_KS picks the draft counts
-#     specstep where a speculating step's period goes, one stream, k = 3, acceptance 0 / 0.7 / 0.9 twice each
-#              (tools/spec_step.py)
+#     specstep where a speculating step's period goes, one stream, k = 3, acceptance 0 / 0.7 / 0.9 twice each,
+#              then a run under cProfile (tools/spec_step.py --profile 30)
 #     mtp      the same as spec with a synthetic E2B MTP drafter: its drafts' cost, paid in every replayed step
 #     grammar  the decode step with every row constrained by a JSON schema against unconstrained, at 1 and 16 rows
 #              (tools/bench_grammar.py --engine)
@@ -116,8 +116,8 @@ if want spec; then
         --k ${SPEC_KS:-1,2,3,4,6,8} --new ${SPEC_NEW:-256} --context 512 --json "$LOGS/bench_spec.json" 2>&1 | tee "$LOGS/bench_spec.log" | tail -40
 fi
 if want specstep; then
-    timeout ${SPECSTEP_TIMEOUT:-200} python3 tools/spec_step.py "${E2B[@]}" --json "$LOGS/spec_step.json" 2>&1 \
-        | tee "$LOGS/spec_step.log" | tail -13
+    timeout ${SPECSTEP_TIMEOUT:-200} python3 tools/spec_step.py "${E2B[@]}" --profile 30 --json "$LOGS/spec_step.json" 2>&1 \
+        | tee "$LOGS/spec_step.log" | tail -44
 fi
 if want mtp; then
     python3 -m qat4.cli synth --assistant --preset e2b --out /tmp/qat4_mtp_e2b --force >/dev/null

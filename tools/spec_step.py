@@ -1,6 +1,6 @@
 """Where the period of a speculating step goes, one stream: the device's share and the host's, by phase.
 
-    python tools/spec_step.py [--acceptance 0,0.7,0.9] [--k 3] [--repeat 2] [--new 256] [--context 512]
+    python tools/spec_step.py [--acceptance 0,0.7,0.9] [--k 3] [--repeat 2] [--new 256] [--context 512] [--profile N]
 
 A step that verifies drafts waits for the step before it (its drafts follow the newest tokens), so
 the host's work between that read and the next graph replay is time the GPU idles
@@ -17,12 +17,15 @@ reading the last step that did) and the engine's calls in it:
   and its event), and ``tolist`` (the tokens read into Python).
 
 Each phase is printed as mean / median µs per speculating step. Running an acceptance twice shows
-how much the host's own speed moves between runs.
+how much the host's own speed moves between runs. ``--profile N`` adds one run under cProfile and
+its N functions of most own time per step, the CUDA calls behind a phase among them.
 """
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -124,6 +127,25 @@ def summary(spans: dict[str, list[float]]) -> dict[str, list[float]]:
             for phase in PHASES if spans.get(phase)}
 
 
+def profile_run(engine: Engine, prompts: list[list[int]], new: int, futures: dict, top: int) -> str:
+    """One more run with the speculator as set, under cProfile: the ``top`` functions by own
+    time, in µs per speculating step (the profiler's own cost inflates them all)."""
+    spans: dict[str, list[float]] = defaultdict(list)
+    profiler = cProfile.Profile()
+    with timed_phases(engine, spans):
+        profiler.enable()
+        _decode(engine, prompts, new, futures)
+        profiler.disable()
+    steps = max(1, len(spans["whole step"]))
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    lines = [f"under cProfile, {steps} speculating steps: own µs a step, calls a step, function"]
+    for (file, line, name), (_, calls, own, _, _) in rows:
+        where = name if file == "~" else f"{Path(file).name}:{line}({name})"
+        lines.append(f"  {own / steps * 1e6:8.1f} {calls / steps:6.1f}  {where}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="synthetic:e2b", help="as for qat4 bench (default: %(default)s)")
@@ -134,6 +156,9 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=256, help="tokens decoded a run (default: %(default)s)")
     p.add_argument("--context", type=int, default=512, help="prompt tokens (default: %(default)s)")
     p.add_argument("--json", help="write the runs here as JSON")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="then one more run at the last acceptance, k drafts a step, under cProfile: its N functions "
+                        "of most own time, µs per speculating step (C calls such as a tensor's copy_ included)")
     args = p.parse_args(argv)
     device = torch.device(resolve_device(args.device))
     ctx = args.context + args.new + 16
@@ -167,6 +192,10 @@ def main(argv=None) -> int:
                 shown = " ".join(f"{name} {m:,.0f}/{md:,.0f}" for name, (m, md) in phases.items())
                 print(f"a={a} k={k or 'adaptive'}: {tok_s:,.1f} tok/s ({tok_s / plain:.2f}x), {run['verified']} "
                       f"verifications keeping {run['kept']} drafts; µs per step, mean/median: {shown}")
+    if args.profile:
+        speculator.use(ReplayDrafter({}, a, engine.config.vocab_size))
+        speculator.adaptive = False
+        print(profile_run(engine, prompts, args.new, futures, args.profile))
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "device": str(device), "plain_tok_s": plain,
                                                "runs": runs}, indent=2))
