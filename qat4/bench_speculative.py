@@ -84,7 +84,8 @@ class SpecReport:
         return asdict(self)
 
 
-def _decode(engine: Engine, prompts: list[list[int]], new: int, futures: dict | None = None) -> tuple[float, list[Sequence]]:
+def timed_decode(engine: Engine, prompts: list[list[int]], new: int,
+                 futures: dict | None = None) -> tuple[float, list[Sequence]]:
     """Greedy decode of ``new`` tokens for every prompt at once; returns (tok/s of the steps after
     every sequence's first token, the sequences). ``futures`` gets each sequence's id mapped to
     the continuation it will be drafted from when given as {prompt index: tokens}."""
@@ -103,6 +104,33 @@ def _decode(engine: Engine, prompts: list[list[int]], new: int, futures: dict | 
     return (sum(len(s.output) for s in seqs) - start_tokens) / seconds, seqs
 
 
+def build_engine(packed, device: torch.device, max_batch: int, context: int, new: int, spec_tokens: int,
+                 mtp: str | None = None) -> Engine:
+    """An engine for these measurements: room for max_batch sequences of context + new tokens,
+    speculating with prompt lookup (replaced by each run's drafter) or the MTP drafter at ``mtp``."""
+    ctx = context + new + 16
+    return Engine.from_packed(packed, device, max_ctx=ctx, max_num_seqs=max_batch, kv_tokens=max_batch * ctx,
+                              speculative="ngram" if mtp is None else "mtp:" + mtp, spec_tokens=spec_tokens)
+
+
+def plain_continuations(engine: Engine, prompts: list[list[int]], new: int) -> tuple[float, dict[int, list[int]]]:
+    """Plain greedy decoding of the prompts with the speculator set aside, once to warm and once
+    timed: (its tok/s, each prompt's continuation by index, what a replay drafter drafts from)."""
+    speculator, engine.speculator = engine.speculator, None
+    timed_decode(engine, prompts, new)  # warm
+    plain, seqs = timed_decode(engine, prompts, new)
+    engine.speculator = speculator
+    return plain, {i: s.output for i, s in enumerate(seqs)}
+
+
+def use_replay(engine: Engine, a: float, k: int | None, paid_by=None) -> None:
+    """Draft from now on with a fresh :class:`ReplayDrafter` at acceptance ``a``: k drafts every
+    step, or with k None the engine's adaptive choice up to its spec_tokens."""
+    speculator = engine.speculator
+    speculator.use(ReplayDrafter({}, a, engine.config.vocab_size, paid_by=paid_by))
+    speculator.adaptive, speculator.max_tokens = k is None, k or engine.spec_tokens
+
+
 def run(engine: Engine, model_name: str, batches: list[int], acceptances: list[float], ks: list[int],
         new: int, context: int, log=print) -> SpecReport:
     """Every measurement of the module docstring on one engine built with speculation."""
@@ -112,11 +140,9 @@ def run(engine: Engine, model_name: str, batches: list[int], acceptances: list[f
     device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "CPU"
     report = SpecReport(model_name, device, new, context)
 
-    def measure(b: int, a: float | None, k: int | None, drafter, name: str, prompts, futures, plain: float) -> None:
-        speculator.use(drafter)
-        speculator.adaptive, speculator.max_tokens = k is None, k or engine.spec_tokens
+    def measure(b: int, a: float | None, k: int | None, name: str, prompts, futures, plain: float) -> None:
         kept, steps, refused = speculator.accepted, speculator.verified, speculator.refused
-        tok_s, _ = _decode(engine, prompts, new, futures)
+        tok_s, _ = timed_decode(engine, prompts, new, futures)
         kept, steps = speculator.accepted - kept, speculator.verified - steps
         refused = speculator.refused - refused
         report.curve.append(CurvePoint(b, a, k, name, tok_s, tok_s / plain, 1 + kept / steps if steps else 1.0,
@@ -130,18 +156,17 @@ def run(engine: Engine, model_name: str, batches: list[int], acceptances: list[f
         if mtp is not None:
             report.draft_us[b] = [mtp.cost(padded, k) * 1e6 for k in range(1, engine.spec_tokens + 1)]
         prompts = [torch.randint(3, engine.config.vocab_size, (context,), generator=g).tolist() for _ in range(b)]
-        engine.speculator = None
         log(f"batch {b}: plain greedy decoding ({new} tokens)")
-        _decode(engine, prompts, new)  # warm
-        plain, seqs = _decode(engine, prompts, new)
+        plain, futures = plain_continuations(engine, prompts, new)
         report.plain_tok_s[b] = plain
-        futures = {i: s.output for i, s in enumerate(seqs)}
-        engine.speculator = speculator
         for a in acceptances:
             for k in [*ks, None]:
-                measure(b, a, k, ReplayDrafter({}, a, engine.config.vocab_size, paid_by=mtp), "replay", prompts, futures, plain)
+                use_replay(engine, a, k, paid_by=mtp)
+                measure(b, a, k, "replay", prompts, futures, plain)
         if mtp is not None:
-            measure(b, None, None, mtp, "mtp", prompts, None, plain)
+            speculator.use(mtp)
+            speculator.adaptive, speculator.max_tokens = True, engine.spec_tokens
+            measure(b, None, None, "mtp", prompts, None, plain)
     if mtp is not None:
         speculator.use(mtp)
     speculator.adaptive, speculator.max_tokens = True, engine.spec_tokens

@@ -16,7 +16,8 @@ def test_every_speculating_step_is_split_into_the_devices_wait_and_the_hosts_pha
     assert spec_step.main(["--model", "synthetic:tiny", "--device", "cpu", "--new", "12", "--context", "16",
                            "--acceptance", "0,1", "--repeat", "1", "--json", str(out), "--profile", "5"]) == 0
     profile = capsys.readouterr().out.split("under cProfile, ")[1].splitlines()
-    assert profile[0].startswith("4 speculating steps") and len(profile) == 6  # a = 1: 12 tokens, 4 a step, 3 drafts kept
+    # the last acceptance, a = 1: 12 tokens, 4 a step, so 3 verifying steps and the one reading the last
+    assert profile[0].startswith("4 speculating steps") and len(profile) == 6
     result = json.loads(out.read_text())
     runs = {(r["acceptance"], r["k"]): r for r in result["runs"]}
     assert set(runs) == {(0.0, 3), (0.0, None), (1.0, 3), (1.0, None)}
@@ -42,8 +43,8 @@ def test_the_timing_wrappers_go_once_the_timed_block_ends():
 
     engine = spec_step.Engine.from_packed(synthetic_model(SMALL, seed=0), "cpu", max_ctx=64, speculative="ngram",
                                           spec_tokens=2)
-    wrapped = [(engine, "step"), (engine, "_speculative_step"), (engine.scheduler, "schedule"), (engine.speculator, "propose"),
-               (engine, "_launch"), (engine.runner.pool, "flush"), (engine.runner, "run_decode"),
+    wrapped = [(engine, "step"), (engine, "_speculative_step"), (engine.scheduler, "schedule"),
+               (engine.speculator, "propose"), (engine, "_launch"), (engine.runner.pool, "flush"), (engine.runner, "run_decode"),
                (engine.runner, "replay"), (engine.runner, "_send")]
     read = StepTokens.read
     with spec_step.timed_phases(engine, {}):

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from qat4.bench_speculative import ReplayDrafter, _decode  # noqa: E402
+from qat4.bench_speculative import build_engine, plain_continuations, timed_decode, use_replay  # noqa: E402
 from qat4.commands.bench import load_packed_for_bench  # noqa: E402
 from qat4.commands.model_args import DEVICES, resolve_device  # noqa: E402
 from qat4.engine import Engine  # noqa: E402
@@ -74,11 +74,9 @@ def timed_phases(engine: Engine, spans: dict[str, list[float]]):
             result = original(*args, **kwargs)
             seconds = time.perf_counter() - start
             if step.pop("speculated", 0.0):
-                spans["whole step"].append(seconds)
-                spans["host"].append(seconds - step["device wait"])
-                for phase in PHASES[1:]:
-                    if phase != "host":
-                        spans[phase].append(step[phase])
+                step["whole step"], step["host"] = seconds, seconds - step["device wait"]
+                for phase in PHASES:
+                    spans[phase].append(step[phase])
             return result
         return call
 
@@ -134,7 +132,7 @@ def profile_run(engine: Engine, prompts: list[list[int]], new: int, futures: dic
     profiler = cProfile.Profile()
     with timed_phases(engine, spans):
         profiler.enable()
-        _decode(engine, prompts, new, futures)
+        timed_decode(engine, prompts, new, futures)
         profiler.disable()
     steps = max(1, len(spans["whole step"]))
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
@@ -161,29 +159,22 @@ def main(argv=None) -> int:
                         "of most own time, µs per speculating step (C calls such as a tensor's copy_ included)")
     args = p.parse_args(argv)
     device = torch.device(resolve_device(args.device))
-    ctx = args.context + args.new + 16
-    engine = Engine.from_packed(load_packed_for_bench(args.model, device, 0), device, max_ctx=ctx, max_num_seqs=1,
-                                kv_tokens=ctx, speculative="ngram", spec_tokens=args.k)
+    engine = build_engine(load_packed_for_bench(args.model, device, 0), device, 1, args.context, args.new, args.k)
     speculator = engine.speculator
     prompt = torch.randint(3, engine.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
     prompts = [prompt.tolist()]
-    engine.speculator = None
-    _decode(engine, prompts, args.new)  # warm
-    plain, seqs = _decode(engine, prompts, args.new)
-    engine.speculator = speculator
-    futures = {0: seqs[0].output}
+    plain, futures = plain_continuations(engine, prompts, args.new)
     print(f"{args.model} on {device}: plain decoding {plain:,.1f} tok/s; a step verifying k drafts, µs: "
           + ", ".join(f"k={q - 1} {speculator.costs[(1, q)] * 1e6:,.0f}" for q in range(1, args.k + 2)))
     runs = []
     for a in [float(x) for x in args.acceptance.split(",")]:
         for _ in range(args.repeat):
             for k in [args.k, None]:
-                speculator.use(ReplayDrafter({}, a, engine.config.vocab_size))
-                speculator.adaptive, speculator.max_tokens = k is None, args.k
+                use_replay(engine, a, k)
                 spans: dict[str, list[float]] = defaultdict(list)
                 verified, kept = speculator.verified, speculator.accepted
                 with timed_phases(engine, spans):
-                    tok_s, _ = _decode(engine, prompts, args.new, futures)
+                    tok_s, _ = timed_decode(engine, prompts, args.new, futures)
                 phases = summary(spans) if spans["whole step"] else {}
                 run = {"acceptance": a, "k": k, "tok_s": tok_s, "speedup": tok_s / plain,
                        "verified": speculator.verified - verified, "kept": speculator.accepted - kept,
@@ -193,8 +184,7 @@ def main(argv=None) -> int:
                 print(f"a={a} k={k or 'adaptive'}: {tok_s:,.1f} tok/s ({tok_s / plain:.2f}x), {run['verified']} "
                       f"verifications keeping {run['kept']} drafts; µs per step, mean/median: {shown}")
     if args.profile:
-        speculator.use(ReplayDrafter({}, a, engine.config.vocab_size))
-        speculator.adaptive = False
+        use_replay(engine, a, args.k)
         print(profile_run(engine, prompts, args.new, futures, args.profile))
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "device": str(device), "plain_tok_s": plain,

@@ -87,8 +87,6 @@ def run_speculative(args: argparse.Namespace) -> int:
     import torch
 
     from qat4 import bench, bench_speculative
-    from qat4.engine import Engine
-
     from qat4.engine.speculation import SPEC_MAX_BATCH
 
     batches = _int_list(args.batch, "--batch", 1, "numbers of sequences of at least 1")
@@ -109,10 +107,7 @@ def run_speculative(args: argparse.Namespace) -> int:
     device = torch.device(resolve_device(args.device))
     bench.progress(f"loading {args.model}")
     packed = load_packed_for_bench(args.model, device, args.seed)
-    engine = Engine.from_packed(packed, device, max_ctx=args.context + args.new + 16, max_num_seqs=max(batches),
-                                kv_tokens=max(batches) * (args.context + args.new + 16),
-                                speculative="ngram" if args.mtp is None else "mtp:" + args.mtp,
-                                spec_tokens=spec_tokens)
+    engine = bench_speculative.build_engine(packed, device, max(batches), args.context, args.new, spec_tokens, args.mtp)
     report = bench_speculative.run(engine, args.model, batches, acceptances, ks, args.new, args.context,
                                    log=bench.progress)
     print(bench_speculative.format_table(report))
