@@ -31,8 +31,10 @@ def test_every_speculating_step_is_split_into_the_devices_wait_and_the_hosts_pha
     for run in (never, always):
         phases = {name: mean for name, (mean, _) in run["phases_us"].items()}
         assert list(phases) == spec_step.PHASES  # every phase timed, in order
-        assert phases["schedule"] + phases["propose"] + phases["launch"] + phases["tolist"] <= phases["host"]
-        assert phases["launch"] >= phases["flush"] + phases["run_decode"] + phases["send back"]
+        assert (phases["schedule"] + phases["propose"] + phases["launch"] + phases["reserve"] + phases["tolist"]
+                <= phases["host"])
+        assert phases["launch"] + phases["reserve"] >= phases["flush"] + phases["run_decode"] + phases["send back"]
+        assert phases["reserve"] > 0
         assert phases["run_decode"] >= phases["replay"] > 0
 
 
@@ -44,7 +46,8 @@ def test_the_timing_wrappers_go_once_the_timed_block_ends():
     engine = spec_step.Engine.from_packed(synthetic_model(SMALL, seed=0), "cpu", max_ctx=64, speculative="ngram",
                                           spec_tokens=2)
     wrapped = [(engine, "step"), (engine, "_speculative_step"), (engine.scheduler, "schedule"),
-               (engine.speculator, "propose"), (engine, "_launch"), (engine.runner.pool, "flush"), (engine.runner, "run_decode"),
+               (engine.speculator, "propose"), (engine, "_launch"), (engine.scheduler, "reserve"),
+               (engine.runner.pool, "flush"), (engine.runner, "run_decode"),
                (engine.runner, "replay"), (engine.runner, "_send")]
     read = StepTokens.read
     with spec_step.timed_phases(engine, {}):

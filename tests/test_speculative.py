@@ -19,7 +19,7 @@ import torch
 from checkpoint_fixtures import SMALL
 from qat4.checkpoint.synth import synthetic_model
 from qat4.engine import Engine
-from qat4.engine.kv_cache import sliding_blocks_per_seq
+from qat4.engine.kv_cache import sliding_blocks_per_seq, spec_lookahead
 from qat4.engine.sampler import SamplingParams, sample
 from qat4.ops.draws import uniforms
 from qat4.engine.sequence import Sequence, State
@@ -462,7 +462,7 @@ def test_long_generations_slide_past_the_window_with_speculation_and_stay_exact(
         assert seq.output == tokens
     assert 0 < sum(s.accepted for s in seqs) < sum(s.drafted for s in seqs)
     assert engine.scheduler.preempted_total == 0
-    assert 0 < most <= sliding_blocks_per_seq(SMALL.sliding_window + K, 4, 128)  # old blocks were given back
+    assert 0 < most <= sliding_blocks_per_seq(SMALL.sliding_window + spec_lookahead(K), 4, 128)  # old blocks were given back
     assert_pool_empty(engine)
 
 
@@ -691,8 +691,7 @@ def test_drafts_are_dropped_rather_than_preempting_when_the_pool_is_short(packed
     sequence is preempted to hold positions that may all be refused."""
     engine = spec_engine(packed)
     seq = engine.add_request(GREEDY[0][0], 12, temperature=0, stop_token_ids=[])
-    while len(seq.output) < 2:
-        engine.step()
+    engine.step()  # the prompt's step: a step that speculates holds blocks ahead for the next one
     taken = {kind: alloc.allocate(alloc.num_free) for kind, alloc in engine.pool.allocators.items()}
     seq.drafts = [1] * K
     ahead = engine.pool.blocks_to_grow(seq.slot, seq.length + K, seq.num_computed)
@@ -702,3 +701,54 @@ def test_drafts_are_dropped_rather_than_preempting_when_the_pool_is_short(packed
     assert batch.decode == [seq] or not batch  # a plain row, when its own position still fits
     for kind, blocks in taken.items():
         engine.pool.allocators[kind].release(blocks)
+
+
+def test_a_speculating_step_finds_the_blocks_it_writes_held_by_the_step_before(packed, reference):
+    """The step before a verification holds its blocks ahead (``Scheduler.reserve``, while the
+    GPU runs): from the first speculating step on, no step allocates a block or sends a table
+    entry between reading the last step's tokens and launching."""
+    engine = spec_engine(packed)
+    prompt, new = GREEDY[1]
+    needs = []
+    schedule = engine.scheduler.schedule
+
+    def watched():
+        for s in engine.scheduler.running:
+            if s.length - s.num_computed == 1:  # decoding: its newest token, then its drafts
+                needs.append(sum(engine.pool.blocks_to_grow(s.slot, s.length + len(s.drafts), s.num_computed).values()))
+        return schedule()
+
+    engine.scheduler.schedule = watched
+    seq = engine.add_request(prompt, new, temperature=0, stop_token_ids=[])
+    while engine.has_work:
+        engine.step()
+    assert seq.output == reference(prompt, new, temperature=0)
+    assert seq.drafted > 0 and len(needs) > 3
+    assert not any(needs[1:]), needs  # only the first speculating step grows
+    assert_pool_empty(engine)
+
+
+def test_holding_blocks_ahead_leaves_a_block_for_every_running_sequence_and_stops_at_the_last_position(packed,
+                                                                                                      reference):
+    engine = spec_engine(packed)
+    seqs = [engine.add_request(p, new, temperature=0, stop_token_ids=[]) for p, new in GREEDY[:2]]
+    while any(s.slot is None or s.length - s.num_computed != 1 for s in seqs):
+        engine.step()
+    seq, other = seqs
+    far = 4 * K  # further than a step holds ahead
+    assert any(engine.pool.blocks_to_grow(seq.slot, seq.length + far, seq.num_computed - 1).values())
+    held = engine.pool.held_blocks(seq.slot)
+    spare = len(engine.scheduler.running)
+    taken = {kind: alloc.allocate(alloc.num_free - spare) for kind, alloc in engine.pool.allocators.items()}
+    engine.scheduler.reserve([seq], far)
+    assert engine.pool.held_blocks(seq.slot) == held  # only the running sequences' spares were free
+    for kind, blocks in taken.items():
+        engine.pool.allocators[kind].release(blocks)
+    engine.scheduler.reserve([seq], far)
+    assert engine.pool.held_blocks(seq.slot)["full_attention"] > held["full_attention"]
+    engine.scheduler.reserve([seq], 1000)
+    last = len(seq.prompt) + seq.max_new_tokens - 1  # positions it can ever feed
+    assert engine.pool.held_blocks(seq.slot)["full_attention"] == -(-last // 4)
+    engine.drain()
+    assert [s.output for s in seqs] == [reference(p, new, temperature=0) for p, new in GREEDY[:2]]
+    assert_pool_empty(engine)

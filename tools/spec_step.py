@@ -14,7 +14,8 @@ reading the last step that did) and the engine's calls in it:
 - ``host``: the rest of the step (``whole step`` less ``device wait``), and in it ``schedule``,
   ``propose``, ``launch`` with its parts ``flush`` (block-table entries), ``run_decode`` (the rows'
   upload and the graph's replay, ``replay`` alone) and ``send back`` (the tokens' copy to the host
-  and its event), and ``tolist`` (the tokens read into Python).
+  and its event), ``reserve`` (after the launch, while the GPU runs: the next step's blocks held
+  ahead, their entries' ``flush`` counted in both) and ``tolist`` (the tokens read into Python).
 
 Each phase is printed as mean / median µs per speculating step. Running an acceptance twice shows
 how much the host's own speed moves between runs. ``--profile N`` adds one run under cProfile and
@@ -101,7 +102,8 @@ def timed_phases(engine: Engine, spans: dict[str, list[float]]):
     wrap(engine, "_speculative_step", speculating)
     wrap(model_runner.StepTokens, "read", read)
     for owner, name, phase in [(engine.scheduler, "schedule", "schedule"), (engine.speculator, "propose", "propose"),
-                               (engine, "_launch", "launch"), (runner.pool, "flush", "flush"),
+                               (engine, "_launch", "launch"), (engine.scheduler, "reserve", "reserve"),
+                               (runner.pool, "flush", "flush"),
                                (runner, "run_decode", "run_decode"), (runner, "replay", "replay"),
                                (runner, "_send", "send back")]:
         wrap(owner, name, lambda original, phase=phase: timed(original, phase))
@@ -116,7 +118,7 @@ def timed_phases(engine: Engine, spans: dict[str, list[float]]):
 
 
 PHASES = ["whole step", "device wait", "host", "schedule", "propose", "launch", "flush", "run_decode", "replay",
-          "send back", "tolist"]
+          "send back", "reserve", "tolist"]
 
 
 def summary(spans: dict[str, list[float]]) -> dict[str, list[float]]:

@@ -312,6 +312,8 @@ class Engine:
         batch = self.scheduler.schedule()
         self._in_flight = self._launch(batch) if batch else None
         k = len(batch.decode[0].drafts) if batch.decode else 0  # the scheduler drops drafts it has no room for
+        # the next step feeds at most k + 1 more tokens and its own drafts
+        self.scheduler.reserve(batch.decode, k + 1 + self.speculator.max_tokens)
         self._verify_started = (now, len(batch.decode), k) if k and not batch.prefill else None
         for seq in decoding:
             seq.drafts = []

@@ -144,11 +144,18 @@ def sliding_blocks_per_seq(window: int, block_size: int, max_ctx: int) -> int:
     return min(math.ceil(window / block_size) + 1, math.ceil(max_ctx / block_size))
 
 
+def spec_lookahead(spec_tokens: int) -> int:
+    """Positions past its newest token a sequence drafting up to ``spec_tokens`` a step may hold
+    KV for: the drafts of the step in flight, the token after them, and the next step's drafts,
+    which :meth:`qat4.engine.scheduler.Scheduler.reserve` holds ahead."""
+    return 2 * spec_tokens + 1 if spec_tokens else 0
+
+
 def pool_blocks(config: Gemma4Config, *, kv_tokens: int, max_seqs: int, prefill_chunk: int, max_ctx: int,
                 block_size: int, cache_blocks: int = 0, lookahead: int = 0, window: int | None = None) -> dict[str, int]:
     """Blocks per layer type (scratch included) of a pool holding ``kv_tokens`` full-attention
     positions, and on sliding layers the ``window`` (default the model's) of ``max_seqs`` decoding
-    sequences (each with ``lookahead`` draft positions past its newest token) plus one step's
+    sequences (each with ``lookahead`` positions past its newest token, :func:`spec_lookahead`) plus one step's
     prompt chunk and ``cache_blocks`` for the prompt cache's restart windows."""
     kinds = {config.layer_types[i] for i in range(config.first_kv_shared_layer)}
     blocks = {}

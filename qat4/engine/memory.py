@@ -25,7 +25,7 @@ from qat4.checkpoint.packing import PackedTensor
 from qat4.config import SLIDING, Gemma4Config
 from qat4.engine.config import MAX_CTX_DEFAULT, EngineConfig
 from qat4.engine.graphs import chunk_graph_sizes, graph_sizes
-from qat4.engine.kv_cache import block_nbytes, pool_blocks, pool_nbytes
+from qat4.engine.kv_cache import block_nbytes, pool_blocks, pool_nbytes, spec_lookahead
 from qat4.errors import Qat4Error
 from qat4.model import CUBLAS_WORKSPACE_NBYTES, expansion_nbytes
 
@@ -181,7 +181,7 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig,
 
     def kv(seqs: int, chunk: int, cache: int = 0) -> tuple[dict[str, int], int]:
         blocks = pool_blocks(cfg, kv_tokens=kv_tokens, max_seqs=seqs, prefill_chunk=chunk, max_ctx=max_ctx,
-                             block_size=bs, cache_blocks=cache, lookahead=spec_tokens, window=window)
+                             block_size=bs, cache_blocks=cache, lookahead=spec_lookahead(spec_tokens), window=window)
         return blocks, pool_nbytes(cfg, blocks, bs, seqs, max_ctx, dtype)
 
     if device.type != "cuda":

@@ -98,6 +98,24 @@ class Scheduler:
             budget -= n
         return batch
 
+    def reserve(self, seqs: list[Sequence], ahead: int) -> None:
+        """Hold KV through ``ahead`` positions past each of ``seqs``' known tokens, and send the
+        new blocks' table entries now. Called once a speculating step is launched, while the GPU
+        runs it: the next step waits for this one's tokens, and finds its blocks in place instead
+        of allocating and uploading them while the GPU idles. A sequence reserves only where the
+        pool keeps a block of each kind for every running sequence besides, so a reservation
+        never costs another sequence its place."""
+        pool, spare = self.pool, len(self.running)
+        for seq in seqs:
+            # never past the last position it can feed (its last token is never fed)
+            end = min(seq.length + ahead, len(seq.prompt) + seq.max_new_tokens - 1)
+            first_query = seq.num_computed - 1  # the step in flight's first query
+            need = pool.blocks_to_grow(seq.slot, end, first_query)
+            if any(n for n in need.values()) and all(pool.allocators[kind].num_free >= n + spare
+                                                      for kind, n in need.items()):
+                pool.grow(seq.slot, end, first_query)
+        pool.flush()
+
     def _drop_drafts_without_room(self) -> None:
         """Drafts only where the pool holds them beside everything else: when the free blocks do
         not cover every drafting sequence's positions through its drafts, none drafts this step
