@@ -6,7 +6,9 @@ A step has two parts, both enqueued before the host waits for anything:
   sequence (its newest token and k drafts, every one sampled): on CUDA a graph captured per padded
   batch size (1, 2, 4, 8, then every 16 up to ``max_num_seqs``), per ``q`` and per sampling shape
   (``keep``, see :mod:`qat4.engine.sampler`), replayed with the rows' ids, positions and slots
-  copied into its static input buffer; the padding rows point at the pool's scratch row. A row
+  copied into its static input buffer (a verifying step's graph copies them in itself, from
+  pinned memory the host writes just before the replay, :meth:`ModelRunner.load_rows`); the
+  padding rows point at the pool's scratch row. A row
   whose id is still on the device (the token sampled by the previous step) reads it from
   ``last_token[slot]``.
 - **prompt chunks**: the tokens of one or more prompts as one flat batch. On CUDA a step's chunks
@@ -157,6 +159,9 @@ class ModelRunner:
         self.last_hidden = torch.zeros(slots, hidden, dtype=model.dtype, device=dev) if keep_hidden else None
         self.sizes = graph_sizes(max_num_seqs)
         self._meta = torch.zeros(3, rows, dtype=torch.int64, device=dev)  # ids (-1: on device), positions, slots
+        # on CUDA a verifying step's rows, which its graph copies into _meta first (:meth:`load_rows`)
+        self._verify_rows = torch.zeros(3, rows, dtype=torch.int64, pin_memory=True) if dev.type == "cuda" else None
+        self._verify_host = None if self._verify_rows is None else self._verify_rows.numpy()
         self._cu_q = torch.arange(max_num_seqs + 1, dtype=torch.int64, device=dev)
         self._decoded = torch.zeros(rows, dtype=torch.int64, device=dev)
         self._hidden = torch.zeros(max_num_seqs, hidden, dtype=model.dtype, device=dev)  # rows awaiting a deferred pick
@@ -249,6 +254,8 @@ class ModelRunner:
         if q == 0:
             self._pick_rows(self._hidden[:b], b, 1, keep, masked, scored)
             return
+        if q > 1 and self._verify_rows is not None:
+            self._meta.copy_(self._verify_rows, non_blocking=True)
         ids, positions, slots = self._meta[:, : b * q]
         ids = torch.where(ids >= 0, ids, self.last_token[slots])
         rows = slots if q == 1 else slots[::q].contiguous()
@@ -301,10 +308,27 @@ class ModelRunner:
         kernels), every row on the scratch row."""
         if not self.use_graph or (b, q, keep, masked, scored) in self.graphs:
             return
-        self._meta[:, : b * max(q, 1)] = torch.tensor([[0], [0], [self.pool.scratch_row]], device=self.device)
+        n = b * max(q, 1)
+        self.load_rows([[0] * n, [0] * n, [self.pool.scratch_row] * n], q)
         graph = capture_graph(lambda: self._decode(b, q, keep, masked, scored), self.device, self._graph_pool)
+        if q > 1:  # its warm-ups copy the scratch rows in before the host writes the step's own
+            torch.cuda.synchronize(self.device)
         self._graph_pool = graph.pool()
         self.graphs[(b, q, keep, masked, scored)] = graph
+
+    def load_rows(self, rows: list[list[int]], q: int) -> None:
+        """The decode rows of the next step of q rows per sequence: ids, positions and slots, each
+        a list of its rows. A verifying step's (q > 1) go on CUDA into the pinned buffer its graph
+        copies first: the host writes them just before the replay, without a copy of its own to
+        enqueue, since the GPU idles until that step is launched (:mod:`qat4.engine.speculation`).
+        The buffer is free again by then: a verifying step is launched only after the step
+        before it was read. Any other step's rows are sent to ``_meta`` (the host runs those a
+        step ahead)."""
+        if q > 1 and self._verify_host is not None:
+            for r, row in enumerate(rows):
+                self._verify_host[r, : len(row)] = row
+        else:
+            self.pool.uploads.send(rows, self._meta)
 
     def replay(self, b: int, q: int, keep: int, masked: bool = False, scored: bool = False) -> None:
         """Run the decode rows now in ``_meta`` (a captured graph, or eagerly without graphs)."""
@@ -334,8 +358,7 @@ class ModelRunner:
             ids += [-1 if s.pending else s.newest_known, *s.drafts]
             positions += range(s.length - 1, s.length + k)
             slots += [s.slot] * q
-        rows = [ids + [0] * pad, positions + [0] * pad, slots + [self.pool.scratch_row] * pad]
-        self.pool.uploads.send(rows, self._meta)
+        self.load_rows([ids + [0] * pad, positions + [0] * pad, slots + [self.pool.scratch_row] * pad], q)
         self.replay(b, q, 0 if defer_pick else keep, masked and not defer_pick, scored and not defer_pick)
         return self._decoded[: n * q], tuple(t[: n * q] for t in self._scores) if scored else None
 

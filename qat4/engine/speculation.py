@@ -237,9 +237,7 @@ def measure_step_costs(runner, sizes: list[int], qs: range, keep: int = 1) -> di
 
     def place(b: int, q: int) -> None:
         depth = max(0, min(COST_DEPTH, runner.max_ctx - q))
-        positions = (depth + torch.arange(q)).repeat(b)
-        runner._meta[:, : b * q] = torch.stack([torch.zeros(b * q, dtype=torch.int64), positions,
-                                                torch.full((b * q,), runner.pool.scratch_row)]).to(runner.device)
+        runner.load_rows([[0] * (b * q), list(range(depth, depth + q)) * b, [runner.pool.scratch_row] * (b * q)], q)
 
     if runner.use_graph:
         costs = {}
