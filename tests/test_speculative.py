@@ -705,26 +705,43 @@ def test_drafts_are_dropped_rather_than_preempting_when_the_pool_is_short(packed
 
 def test_a_speculating_step_finds_the_blocks_it_writes_held_by_the_step_before(packed, reference):
     """The step before a verification holds its blocks ahead (``Scheduler.reserve``, while the
-    GPU runs): from the first speculating step on, no step allocates a block or sends a table
-    entry between reading the last step's tokens and launching."""
-    engine = spec_engine(packed)
-    prompt, new = GREEDY[1]
-    needs = []
-    schedule = engine.scheduler.schedule
+    GPU runs), as far as the next step can write and no further: from the first speculating step
+    on, no step allocates a block or uploads a table entry between reading the last step's tokens
+    and launching."""
+    engine = spec_engine(packed, RandomDrafter(3))  # k drafts every step
+    prompt, new = repeating_prompt(6, 21), 40
+    needs, uploads_at_launch, reach = [], [], []
+    schedule, launch, upload = engine.scheduler.schedule, engine.runner.launch, engine.pool.uploads.new
 
-    def watched():
+    def watched_schedule():
         for s in engine.scheduler.running:
             if s.length - s.num_computed == 1:  # decoding: its newest token, then its drafts
                 needs.append(sum(engine.pool.blocks_to_grow(s.slot, s.length + len(s.drafts), s.num_computed).values()))
         return schedule()
 
-    engine.scheduler.schedule = watched
+    def watched_launch(decode, keep, chunks, *args, **kwargs):
+        calls = []
+        engine.pool.uploads.new = lambda rows: calls.append(rows) or upload(rows)
+        try:
+            return launch(decode, keep, chunks, *args, **kwargs)
+        finally:
+            del engine.pool.uploads.new
+            if decode and not chunks:
+                uploads_at_launch.append(len(calls))
+
+    engine.scheduler.schedule, engine.runner.launch = watched_schedule, watched_launch
     seq = engine.add_request(prompt, new, temperature=0, stop_token_ids=[])
     while engine.has_work:
         engine.step()
+        launched = engine._in_flight
+        if launched is not None and launched.verifies and not seq.finished:
+            furthest = min(seq.num_known + len(launched.drafts[0]) + 1 + K, len(prompt) + new - 1)
+            reach.append((engine.pool.held_blocks(seq.slot)["full_attention"], -(-furthest // 4)))
     assert seq.output == reference(prompt, new, temperature=0)
-    assert seq.drafted > 0 and len(needs) > 3
+    assert len(needs) > 20 and len(reach) > 20
     assert not any(needs[1:]), needs  # only the first speculating step grows
+    assert not any(uploads_at_launch[1:]), uploads_at_launch
+    assert all(held == blocks for held, blocks in reach), reach
     assert_pool_empty(engine)
 
 
@@ -752,3 +769,39 @@ def test_holding_blocks_ahead_leaves_a_block_for_every_running_sequence_and_stop
     engine.drain()
     assert [s.output for s in seqs] == [reference(p, new, temperature=0) for p, new in GREEDY[:2]]
     assert_pool_empty(engine)
+
+
+def staggered_requests(seed: int) -> list[tuple[int, list[int], int]]:
+    """Four greedy requests arriving 0-3 steps apart: (step, prompt, new tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    requests, step = [], 0
+    for i in range(4):
+        n = int(torch.randint(4, 14, (1,), generator=g))
+        requests.append((step, repeating_prompt(n, 100 * seed + i), int(torch.randint(8, 30, (1,), generator=g))))
+        step += int(torch.randint(0, 4, (1,), generator=g))
+    return requests
+
+
+@pytest.mark.parametrize("seed, kv_tokens", [(3, 64), (27, 80)])
+def test_holding_blocks_ahead_never_costs_a_sequence_reading_its_prompt_its_place(packed, reference, seed,
+                                                                                    kv_tokens):
+    """Staggered arrivals on a pool that holds a few sequences: a drafting sequence holds blocks
+    ahead only once no sequence is still reading its prompt, so it never preempts one that was
+    admitted on the blocks for the rest of its prompt (these workloads did, when it could)."""
+    def run(hold_ahead: bool) -> tuple[int, list[list[int]]]:
+        engine = spec_engine(packed, kv_tokens=kv_tokens, max_num_seqs=4, prompt_cache_mib=0)
+        if not hold_ahead:
+            engine.scheduler.reserve = lambda seqs, ahead: None
+        arrivals, seqs, step = staggered_requests(seed), [], 0
+        while arrivals or engine.has_work:
+            while arrivals and arrivals[0][0] <= step:
+                _, prompt, new = arrivals.pop(0)
+                seqs.append(engine.add_request(prompt, new, temperature=0, stop_token_ids=[]))
+            engine.step()
+            step += 1
+        assert_pool_empty(engine)
+        return engine.scheduler.preempted_total, [s.output for s in seqs]
+
+    preempted, outputs = run(True)
+    assert preempted <= run(False)[0]
+    assert outputs == [reference(prompt, new, temperature=0) for _, prompt, new in staggered_requests(seed)]

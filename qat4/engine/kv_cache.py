@@ -11,11 +11,12 @@ block_size`` of every layer of that type (``qat4.ops.attention``).
   131,072-token conversation and many short ones share the same memory.
 - Sliding layers are paged the same way, but a block whose positions have all left the window of
   every query still to come is given back at once: a decoding sequence holds at most
-  ``ceil(W / block_size) + 1`` blocks whatever its length. (With the MTP drafter, which reads
-  W + 1 positions behind its query, the pool's window is W + 2.) (A ring of W slots per sequence
-  holds as much; pages also let a prompt chunk of any length write its keys before it attends,
-  as a decode step does, since the window of the chunk's first query reaches W - 1 positions
-  behind the chunk, and let one kernel read both layer types.)
+  ``ceil(W / block_size) + 1`` blocks whatever its length, or with speculative decoding those of
+  its window and of :func:`spec_lookahead` positions past its newest token. (With the MTP
+  drafter, which reads W + 1 positions behind its query, the pool's window is W + 2.) (A ring of W
+  slots per sequence holds as much; pages also let a prompt chunk of any length write its keys
+  before it attends, as a decode step does, since the window of the chunk's first query reaches
+  W - 1 positions behind the chunk, and let one kernel read both layer types.)
 
 Blocks are reference-counted: with the prompt cache on (:mod:`qat4.engine.prefix`), a block whose
 tokens are known is named by their hash when its sequence lets go of it, stays cached until the pool
@@ -26,7 +27,8 @@ only writes positions after its restart point, which starts a block.
 Block 0 of each pool is scratch and never handed out; table row ``max_seqs`` (the scratch row) is
 all zeros, so the padding rows of a captured batch write and read block 0 and never a live
 sequence's KV. Tables live on the device; the host keeps each slot's blocks and sends the new
-entries once per step (:meth:`KVPool.flush`).
+entries at each step's launch (:meth:`KVPool.flush`), and again once a speculating step is
+launched, for the blocks held ahead for the next (:meth:`qat4.engine.scheduler.Scheduler.reserve`).
 """
 
 from __future__ import annotations
@@ -381,8 +383,8 @@ class KVPool:
     def flush(self) -> None:
         """Write the table entries of the blocks allocated since the last flush to the device,
         without waiting for it (from pinned memory, which is not reused before the copy ran): every
-        kind's entries in one upload and one indexed copy, since a speculating step's GPU waits
-        for this. An entry written twice keeps its last block."""
+        kind's entries in one upload and one indexed copy, few calls for the host, which may have
+        the GPU waiting. An entry written twice keeps its last block."""
         last = {}
         for kind, updates in self._updates.items():
             offset = self._table_offset[kind]

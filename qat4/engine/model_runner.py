@@ -159,9 +159,11 @@ class ModelRunner:
         self.last_hidden = torch.zeros(slots, hidden, dtype=model.dtype, device=dev) if keep_hidden else None
         self.sizes = graph_sizes(max_num_seqs)
         self._meta = torch.zeros(3, rows, dtype=torch.int64, device=dev)  # ids (-1: on device), positions, slots
-        # on CUDA a verifying step's rows, which its graph copies into _meta first (:meth:`load_rows`)
+        # on CUDA a verifying step's rows, which its graph copies into _meta first (:meth:`load_rows`),
+        # and an event after the last verifying step launched
         self._verify_rows = torch.zeros(3, rows, dtype=torch.int64, pin_memory=True) if dev.type == "cuda" else None
         self._verify_host = None if self._verify_rows is None else self._verify_rows.numpy()
+        self._verify_done = torch.cuda.Event() if dev.type == "cuda" else None
         self._cu_q = torch.arange(max_num_seqs + 1, dtype=torch.int64, device=dev)
         self._decoded = torch.zeros(rows, dtype=torch.int64, device=dev)
         self._hidden = torch.zeros(max_num_seqs, hidden, dtype=model.dtype, device=dev)  # rows awaiting a deferred pick
@@ -247,9 +249,9 @@ class ModelRunner:
         return sample(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], draws, keep)
 
     def _decode(self, b: int, q: int, keep: int, masked: bool, scored: bool) -> None:
-        """The decode rows of ``_meta[:, :b * q]``, q consecutive positions for each of b
-        sequences: forward, pick a token at every row (:meth:`_pick_rows`); what a graph
-        captures. With keep 0 the forward alone, its hidden rows into ``_hidden`` (q = 1); with
+        """The decode rows of ``_meta[:, :b * q]`` (with q > 1 on CUDA first copied in from
+        ``_verify_rows``), q consecutive positions for each of b sequences: forward, pick a token
+        at every row (:meth:`_pick_rows`); what a graph captures. With keep 0 the forward alone, its hidden rows into ``_hidden`` (q = 1); with
         q = 0 the pick alone, of the b rows in ``_hidden`` (a deferred pick)."""
         if q == 0:
             self._pick_rows(self._hidden[:b], b, 1, keep, masked, scored)
@@ -322,16 +324,19 @@ class ModelRunner:
         copies first: the host writes them just before the replay, without a copy of its own to
         enqueue, since the GPU idles until that step is launched (:mod:`qat4.engine.speculation`).
         The buffer is free again by then: a verifying step is launched only after the step
-        before it was read. Any other step's rows are sent to ``_meta`` (the host runs those a
-        step ahead)."""
+        before it was read (were it not, after a failed step, the wait for the last verifying
+        step would stall rather than let the host overwrite its rows). Any other step's rows are
+        sent to ``_meta`` (the host runs those a step ahead)."""
         if q > 1 and self._verify_host is not None:
+            self._verify_done.synchronize()
             for r, row in enumerate(rows):
                 self._verify_host[r, : len(row)] = row
         else:
             self.pool.uploads.send(rows, self._meta)
 
     def replay(self, b: int, q: int, keep: int, masked: bool = False, scored: bool = False) -> None:
-        """Run the decode rows now in ``_meta`` (a captured graph, or eagerly without graphs)."""
+        """Run the decode rows loaded last (:meth:`load_rows`; a captured graph, or eagerly
+        without graphs)."""
         if self.use_graph:
             self.graphs[(b, q, keep, masked, scored)].replay()
         else:
@@ -360,6 +365,8 @@ class ModelRunner:
             slots += [s.slot] * q
         self.load_rows([ids + [0] * pad, positions + [0] * pad, slots + [self.pool.scratch_row] * pad], q)
         self.replay(b, q, 0 if defer_pick else keep, masked and not defer_pick, scored and not defer_pick)
+        if q > 1 and self._verify_done is not None:
+            self._verify_done.record()
         return self._decoded[: n * q], tuple(t[: n * q] for t in self._scores) if scored else None
 
     def forward_chunks(self, chunks: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor,

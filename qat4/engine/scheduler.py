@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 from qat4.engine.kv_cache import KVPool
 from qat4.engine.sequence import Sequence, State
@@ -102,18 +103,22 @@ class Scheduler:
         """Hold KV through ``ahead`` positions past each of ``seqs``' known tokens, and send the
         new blocks' table entries now. Called once a speculating step is launched, while the GPU
         runs it: the next step waits for this one's tokens, and finds its blocks in place instead
-        of allocating and uploading them while the GPU idles. A sequence reserves only where the
-        pool keeps a block of each kind for every running sequence besides, so a reservation
-        never costs another sequence its place."""
+        of allocating and uploading them while the GPU idles. Nothing is held ahead while a
+        running sequence is still reading its prompt (it was admitted on the free blocks for the
+        rest of it), and a sequence takes only blocks that are neither cached nor one of the
+        spares every running sequence's next step may need, so holding ahead never costs another
+        sequence its place or the prompt cache a block."""
         pool, spare = self.pool, len(self.running)
+        if any(s.length - s.num_computed > 1 for s in self.running):
+            return
         for seq in seqs:
             # never past the last position it can feed (its last token is never fed)
-            end = min(seq.length + ahead, len(seq.prompt) + seq.max_new_tokens - 1)
+            end = min(seq.num_known + ahead, len(seq.prompt) + seq.max_new_tokens - 1)
             first_query = seq.num_computed - 1  # the step in flight's first query
             need = pool.blocks_to_grow(seq.slot, end, first_query)
-            if any(n for n in need.values()) and all(pool.allocators[kind].num_free >= n + spare
-                                                      for kind, n in need.items()):
-                pool.grow(seq.slot, end, first_query)
+            free = {kind: pool.allocators[kind].num_free - pool.allocators[kind].num_cached for kind in need}
+            if any(need.values()) and all(free[kind] >= n + spare for kind, n in need.items()):
+                pool.grow(seq.slot, end, first_query, partial(seq.computed_block_hashes, pool.block_size))
         pool.flush()
 
     def _drop_drafts_without_room(self) -> None:
