@@ -157,8 +157,8 @@ def pool_blocks(config: Gemma4Config, *, kv_tokens: int, max_seqs: int, prefill_
                 block_size: int, cache_blocks: int = 0, lookahead: int = 0, window: int | None = None) -> dict[str, int]:
     """Blocks per layer type (scratch included) of a pool holding ``kv_tokens`` full-attention
     positions, and on sliding layers the ``window`` (default the model's) of ``max_seqs`` decoding
-    sequences (each with ``lookahead`` positions past its newest token, :func:`spec_lookahead`) plus one step's
-    prompt chunk and ``cache_blocks`` for the prompt cache's restart windows."""
+    sequences (each with ``lookahead`` positions past its newest token, :func:`spec_lookahead`)
+    plus one step's prompt chunk and ``cache_blocks`` for the prompt cache's restart windows."""
     kinds = {config.layer_types[i] for i in range(config.first_kv_shared_layer)}
     blocks = {}
     if FULL in kinds:

@@ -8,9 +8,8 @@ A step has two parts, both enqueued before the host waits for anything:
   (``keep``, see :mod:`qat4.engine.sampler`), replayed with the rows' ids, positions and slots
   copied into its static input buffer (a verifying step's graph copies them in itself, from
   pinned memory the host writes just before the replay, :meth:`ModelRunner.load_rows`); the
-  padding rows point at the pool's scratch row. A row
-  whose id is still on the device (the token sampled by the previous step) reads it from
-  ``last_token[slot]``.
+  padding rows point at the pool's scratch row. A row whose id is still on the device (the token
+  sampled by the previous step) reads it from ``last_token[slot]``.
 - **prompt chunks**: the tokens of one or more prompts as one flat batch. On CUDA a step's chunks
   run padded to the next of :func:`~qat4.engine.graphs.chunk_graph_sizes` (up to
   ``prefill_chunk`` tokens, so every step the scheduler makes), replayed from a graph of that size
@@ -251,8 +250,9 @@ class ModelRunner:
     def _decode(self, b: int, q: int, keep: int, masked: bool, scored: bool) -> None:
         """The decode rows of ``_meta[:, :b * q]`` (with q > 1 on CUDA first copied in from
         ``_verify_rows``), q consecutive positions for each of b sequences: forward, pick a token
-        at every row (:meth:`_pick_rows`); what a graph captures. With keep 0 the forward alone, its hidden rows into ``_hidden`` (q = 1); with
-        q = 0 the pick alone, of the b rows in ``_hidden`` (a deferred pick)."""
+        at every row (:meth:`_pick_rows`); what a graph captures. With keep 0 the forward alone,
+        its hidden rows into ``_hidden`` (q = 1); with q = 0 the pick alone, of the b rows in
+        ``_hidden`` (a deferred pick)."""
         if q == 0:
             self._pick_rows(self._hidden[:b], b, 1, keep, masked, scored)
             return
