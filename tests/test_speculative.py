@@ -805,3 +805,33 @@ def test_holding_blocks_ahead_never_costs_a_sequence_reading_its_prompt_its_plac
     preempted, outputs = run(True)
     assert preempted <= run(False)[0]
     assert outputs == [reference(prompt, new, temperature=0) for _, prompt, new in staggered_requests(seed)]
+
+
+class CountingEvent:
+    """Stands in for a CUDA event on the CPU: counts its records and waits."""
+
+    def __init__(self):
+        self.records = self.waits = 0
+
+    def record(self):
+        self.records += 1
+
+    def synchronize(self):
+        self.waits += 1
+
+
+def test_verifying_steps_take_their_rows_from_the_buffer_their_graph_copies_in(packed, reference):
+    """The CUDA path of a verifying step, on CPU tensors: its rows go into the buffer that its
+    forward copies into the step's inputs first (pinned memory on a GPU), after the wait for the
+    last verifying step; every other step's rows go straight to the inputs."""
+    engine = spec_engine(packed, RandomDrafter(4))
+    runner = engine.runner
+    runner._verify_rows = torch.full_like(runner._meta, -7)  # what a step reading stale rows would see
+    runner._verify_host, runner._verify_done = runner._verify_rows.numpy(), CountingEvent()
+    prompt, new = repeating_prompt(6, 23), 30
+    out = engine.generate(prompt, new, temperature=0, stop_token_ids=[])
+    assert out.tokens == reference(prompt, new, temperature=0)
+    verifications = engine.speculator.verified
+    assert verifications > 10
+    assert runner._verify_done.records == runner._verify_done.waits == verifications
+    assert_pool_empty(engine)
