@@ -123,12 +123,18 @@ def plain_continuations(engine: Engine, prompts: list[list[int]], new: int) -> t
     return plain, {i: s.output for i, s in enumerate(seqs)}
 
 
-def use_replay(engine: Engine, a: float, k: int | None, paid_by=None) -> None:
-    """Draft from now on with a fresh :class:`ReplayDrafter` at acceptance ``a``: k drafts every
-    step, or with k None the engine's adaptive choice up to its spec_tokens."""
+def use_drafter(engine: Engine, drafter, k: int | None) -> None:
+    """Draft from now on with ``drafter``: k drafts every step, or with k None the engine's
+    adaptive choice up to its spec_tokens."""
     speculator = engine.speculator
-    speculator.use(ReplayDrafter({}, a, engine.config.vocab_size, paid_by=paid_by))
+    speculator.use(drafter)
     speculator.adaptive, speculator.max_tokens = k is None, k or engine.spec_tokens
+
+
+def use_replay(engine: Engine, a: float, k: int | None, paid_by=None) -> None:
+    """Draft from now on with a fresh :class:`ReplayDrafter` at acceptance ``a`` (k as for
+    :func:`use_drafter`)."""
+    use_drafter(engine, ReplayDrafter({}, a, engine.config.vocab_size, paid_by=paid_by), k)
 
 
 def run(engine: Engine, model_name: str, batches: list[int], acceptances: list[float], ks: list[int],
@@ -164,12 +170,9 @@ def run(engine: Engine, model_name: str, batches: list[int], acceptances: list[f
                 use_replay(engine, a, k, paid_by=mtp)
                 measure(b, a, k, "replay", prompts, futures, plain)
         if mtp is not None:
-            speculator.use(mtp)
-            speculator.adaptive, speculator.max_tokens = True, engine.spec_tokens
+            use_drafter(engine, mtp, None)
             measure(b, None, None, "mtp", prompts, None, plain)
-    if mtp is not None:
-        speculator.use(mtp)
-    speculator.adaptive, speculator.max_tokens = True, engine.spec_tokens
+    use_drafter(engine, mtp if mtp is not None else speculator.drafter, None)
     return report
 
 

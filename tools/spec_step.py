@@ -13,9 +13,10 @@ reading the last step that did) and the engine's calls in it:
 - ``device wait``: the read's wait for the step's tokens (the GPU's share of the period);
 - ``host``: the rest of the step (``whole step`` less ``device wait``), and in it ``schedule``,
   ``propose``, ``launch`` with its parts ``flush`` (block-table entries), ``run_decode`` (the rows'
-  upload and the graph's replay, ``replay`` alone) and ``send back`` (the tokens' copy to the host
-  and its event), ``reserve`` (after the launch, while the GPU runs: the next step's blocks held
-  ahead, their entries' ``flush`` counted in both) and ``tolist`` (the tokens read into Python).
+  upload, or a verifying step's rows into the buffer its graph copies in, and the graph's replay,
+  ``replay`` alone) and ``send back`` (the tokens' copy to the host and its event), ``reserve``
+  (after the launch, while the GPU runs: the next step's blocks held ahead, their entries'
+  ``flush`` counted in both) and ``tolist`` (the tokens read into Python).
 
 Each phase is printed as mean / median µs per speculating step. Running an acceptance twice shows
 how much the host's own speed moves between runs. ``--profile N`` adds one run under cProfile and

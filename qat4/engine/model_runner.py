@@ -15,12 +15,12 @@ A step has two parts, both enqueued before the host waits for anything:
   ``prefill_chunk`` tokens, so every step the scheduler makes), replayed from a graph of that size
   when graphs are on (so a graph and an eager engine compute the same). One graph per size serves
   one sequence, another up to min(size, max_num_seqs) sequences, the unused ones empty; the
-  padding rows belong to no
-  sequence (no query attends from them, every other op is row by row) and store their K/V on the
-  scratch row; the picks of chunks that do not end their prompt, and of the empty sequences, land
-  on the scratch row too. Without the padding a prompt step is some 700 launches from Python (40
-  ms of host time on an H200's host, whatever the chunk's length), which is most of a short
-  prompt's time to its first token and stalls every decoding sequence for as long.
+  padding rows belong to no sequence (no query attends from them, every other op is row by row)
+  and store their K/V on the scratch row; the picks of chunks that do not end their prompt, and
+  of the empty sequences, land on the scratch row too. Without the padding a prompt step is some
+  700 launches from Python (40 ms of host time on an H200's host, whatever the chunk's length),
+  which is most of a short prompt's time to its first token and stalls every decoding sequence
+  for as long.
 
 Each sampled token is written to ``last_token[slot]`` on the device (the next step's input) and to
 a pinned host buffer; :meth:`ModelRunner.launch` returns a :class:`StepTokens` that waits for that
@@ -256,7 +256,7 @@ class ModelRunner:
         if q == 0:
             self._pick_rows(self._hidden[:b], b, 1, keep, masked, scored)
             return
-        if q > 1 and self._verify_rows is not None:
+        if self._rows_in_graph(q):
             self._meta.copy_(self._verify_rows, non_blocking=True)
         ids, positions, slots = self._meta[:, : b * q]
         ids = torch.where(ids >= 0, ids, self.last_token[slots])
@@ -318,6 +318,11 @@ class ModelRunner:
         self._graph_pool = graph.pool()
         self.graphs[(b, q, keep, masked, scored)] = graph
 
+    def _rows_in_graph(self, q: int) -> bool:
+        """Whether a step of q rows per sequence copies its rows in itself: a verifying step on
+        CUDA (:meth:`load_rows`)."""
+        return q > 1 and self._verify_rows is not None
+
     def load_rows(self, rows: list[list[int]], q: int) -> None:
         """The decode rows of the next step of q rows per sequence: ids, positions and slots, each
         a list of its rows. A verifying step's (q > 1) go on CUDA into the pinned buffer its graph
@@ -327,7 +332,7 @@ class ModelRunner:
         before it was read (were it not, after a failed step, the wait for the last verifying
         step would stall rather than let the host overwrite its rows). Any other step's rows are
         sent to ``_meta`` (the host runs those a step ahead)."""
-        if q > 1 and self._verify_host is not None:
+        if self._rows_in_graph(q):
             self._verify_done.synchronize()
             for r, row in enumerate(rows):
                 self._verify_host[r, : len(row)] = row
@@ -365,7 +370,7 @@ class ModelRunner:
             slots += [s.slot] * q
         self.load_rows([ids + [0] * pad, positions + [0] * pad, slots + [self.pool.scratch_row] * pad], q)
         self.replay(b, q, 0 if defer_pick else keep, masked and not defer_pick, scored and not defer_pick)
-        if q > 1 and self._verify_done is not None:
+        if self._rows_in_graph(q):
             self._verify_done.record()
         return self._decoded[: n * q], tuple(t[: n * q] for t in self._scores) if scored else None
 
