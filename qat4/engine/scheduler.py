@@ -116,8 +116,8 @@ class Scheduler:
             end = min(seq.num_known + ahead, len(seq.prompt) + seq.max_new_tokens - 1)
             first_query = seq.num_computed - 1  # the step in flight's first query
             need = pool.blocks_to_grow(seq.slot, end, first_query)
-            free = {kind: pool.allocators[kind].num_free - pool.allocators[kind].num_cached for kind in need}
-            if any(need.values()) and all(free[kind] >= n + spare for kind, n in need.items()):
+            if any(need.values()) and all(pool.allocators[kind].num_free - pool.allocators[kind].num_cached >= n + spare
+                                          for kind, n in need.items()):
                 pool.grow(seq.slot, end, first_query, partial(seq.computed_block_hashes, pool.block_size))
         pool.flush()
 
