@@ -4,7 +4,9 @@
   tensors, ``QAT4_OPS=reference``);
 - the GEMV (:mod:`qat4.ops.w4.gemv`, its output layer :mod:`qat4.ops.w4.logits`) for at most
   GEMV_ROWS rows (by default one: a single-sequence decode step; a step of two rows, one stream
-  verifying a draft, took 2,294 µs with the GEMV and 2,031 with the batch kernel on an H200);
+  verifying a draft, took 2,294 µs with the GEMV and 2,031 with the batch kernel on an H200, and
+  two sequences 2,078 against 2,005 with the GEMV's 2-row tilings pinned to the fastest of each
+  shape timed alone, where the GEMV beat the batch kernel at every shape);
 - the decode-batch tensor-core product (:mod:`qat4.ops.w4.batch`) up to BATCH_ROWS rows: many
   sequences decoding together;
 - from EXPAND_ROWS rows (by default: beyond BATCH_ROWS) of 16-bit x on a GPU with tensor cores,
