@@ -1,20 +1,27 @@
-"""Time decode and prefill attention at Gemma 4 E2B shapes on a CUDA GPU.
-
-Decode: D=256 over a 512-slot ring (window 512) and D=512 over a 131,072-slot full cache at
-several lengths; each timed eagerly and as CUDA-graph replays (how the engine runs decode), with
-the torch reference alongside. Prefill: a 256-token chunk over a sliding ring + chunk (768 keys)
-and over full prefixes up to 131,072 keys. Medians of triton.testing.do_bench; GB/s counts the K
-and V bytes read once; TFLOP/s counts 4 * heads * (query, visible key) pairs * D.
+"""Time the paged attention kernel (qat4.ops.attention) at Gemma 4 E2B shapes.
 
     python tools/bench_attention.py [--dtype bf16|fp16] [--only decode|prefill] [--sweep]
+                                    [--batch 1,4,16] [--lengths 512,4096,32768,131072] [--max-ctx 131072]
 
---sweep also times other split counts and tiles for each case.
+Decode: B sequences of one query token each, as the engine's decode graphs launch them: the
+sliding layers (head dim 256, window 512) and the full layers (head dim 512) at each length, the
+key splits sized for a context of ``--max-ctx`` tokens as the engine sizes them. Prefill: one
+256-token chunk of one sequence over a prefix of each length. The K/V pages of every sequence are
+distinct memory, and a case smaller than four L2s cycles through that many copies of its pool, so
+every call reads its keys from HBM. Each case is checked against the torch reference and timed as
+CUDA-graph replays of back-to-back calls (median µs per call); GB/s counts the K and V bytes the
+queries can see, TFLOP/s 4 * heads * (query, visible key) pairs * head dim. ``--sweep`` also times
+other split counts and tiles.
+
+``--device cpu`` (with TRITON_INTERPRET=1) runs the same cases through the interpreter, timed
+with a wall clock: a check of the tool, not a measurement.
 """
 
 import argparse
-import itertools
 import os
+import statistics
 import sys
+import time
 
 import torch
 import triton
@@ -24,144 +31,181 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from qat4.ops import attention as attn  # noqa: E402
 
-H = 8
-CACHE = 131072
+HEADS = 8
+SLIDING = (256, 512)  # (head dim, window) of E2B's sliding layers
+FULL_DIM = 512
 L2_BYTES = 50 << 20
-# prefill tiles (block_r, block_n, warps, stages) timed by --sweep
-PREFILL_SWEEP_512 = [(32, 32, 4, 2), (32, 64, 4, 2), (64, 32, 8, 2), (64, 16, 8, 3), (64, 32, 4, 2), (128, 16, 8, 2)]
-PREFILL_SWEEP_256 = [(64, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 3), (32, 64, 4, 2), (64, 64, 4, 3)]
+DECODE_SPLITS = {"sliding": (4, 8, 16), "full": (33, 66, 132, 256)}  # --sweep, one sequence (scaled by batch)
+DECODE_TILES = {256: [(16, 32, 4, 2), (16, 64, 4, 2), (16, 128, 4, 2), (16, 64, 4, 3)],
+                512: [(16, 16, 4, 2), (16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 3)]}
+PREFILL_TILES = {256: [(64, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2), (32, 64, 4, 2)],
+                 512: [(32, 32, 4, 2), (64, 32, 8, 2), (64, 16, 8, 3), (128, 16, 8, 2)]}
 
 
-def rotating_caches(rows_used, capacity, D, dtype, max_sets=400):
-    """Views k[i], v[i] of ``capacity`` rows whose first ``rows_used`` rows are distinct memory, so
-    that cycling through them reads from HBM rather than L2 (enough sets for 4x the L2)."""
-    n = max(1, min(max_sets, -(-4 * L2_BYTES // (rows_used * D * 4))))
-    k = torch.randn(capacity + (n - 1) * rows_used, D, device="cuda").to(dtype)
-    v = torch.randn_like(k)
-    return [(k[i * rows_used : i * rows_used + capacity], v[i * rows_used : i * rows_used + capacity]) for i in range(n)]
+class Case:
+    """``seqs`` sequences whose queries sit at positions ``positions`` (one list per sequence), over
+    K/V pages of head dim ``dim``: each sequence's ``length`` keys in blocks of ``block_size`` rows
+    of a pool of ``copies`` sets, set c at block offset c * blocks."""
+
+    def __init__(self, seqs: int, length: int, queries: int, dim: int, dtype, device, block_size: int = 16,
+                 copies: int = 1):
+        per_seq = triton.cdiv(length, block_size)
+        blocks = seqs * per_seq
+        self.copies = copies
+        self.k = torch.randn(copies * blocks * block_size, dim, device=device).to(dtype)
+        self.v = torch.randn_like(self.k)
+        order = torch.randperm(blocks, device=device).to(torch.int32)  # pages scattered over the pool
+        self.tables = [(order + c * blocks).view(seqs, per_seq) for c in range(copies)]
+        self.block_size = block_size
+        positions = torch.arange(length - queries, length, device=device).repeat(seqs)
+        self.q = torch.randn(seqs * queries, HEADS, dim, device=device).to(dtype)
+        self.seqs = attn.PagedSeqs(positions, torch.arange(0, seqs * queries + 1, queries, dtype=torch.int32,
+                                                           device=device),
+                                   torch.arange(seqs, dtype=torch.int32, device=device), queries, length)
+
+    def with_max_keys(self, max_keys: int) -> "Case":
+        self.seqs = self.seqs._replace(max_keys=max_keys)
+        return self
+
+    def run(self, copy: int = 0, *, window=None, out=None, splits=None, tiles=None, reference=False):
+        if reference:
+            return attn.paged_attention_reference(self.q, self.k, self.v, self.tables[copy], self.block_size,
+                                                  self.seqs, window=window)
+        return attn.paged_attention_triton(self.q, self.k, self.v, self.tables[copy], self.block_size, self.seqs,
+                                           window=window, out=out, splits=splits, tiles=tiles)
 
 
-def median_us(fn):
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median") * 1e3
+def copies_for(seqs: int, length: int, dim: int, dtype) -> int:
+    """Pool copies enough for four L2s of K/V (at most 64)."""
+    nbytes = 2 * seqs * length * dim * torch.finfo(dtype).bits // 8
+    return max(1, min(64, triton.cdiv(4 * L2_BYTES, nbytes)))
 
 
-def graph_us(step, calls):
-    """Per-call time of ``calls`` launches of ``step(i)`` captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(calls):
-            step(i)
-    torch.cuda.current_stream().wait_stream(stream)
+def time_us(call, copies: int, device) -> float:
+    """Median µs of one call(copy), back to back over the copies: CUDA-graph replays on a GPU, a
+    wall clock on the CPU."""
+    if device.type != "cuda":
+        times = []
+        for i in range(3):
+            start = time.perf_counter()
+            call(i % copies)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e6
+    calls = copies * max(1, 16 // copies)
+    for i in range(calls):  # compile and warm up outside the capture
+        call(i % copies)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(calls):
-            step(i)
-    return median_us(graph.replay) / calls
+            call(i % copies)
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3 / calls
 
 
-def cycler(n):
-    state = itertools.count()
-    return lambda: next(state) % n
+def report(name: str, label: str, us: float, nbytes: int, flops: int, err: float) -> str:
+    line = f"{name:44s} {label:28s} {us:9.1f} µs {nbytes / us / 1e3:7.0f} GB/s"
+    if flops:  # prompt chunks; a decode step's few queries are bound by the keys' bytes
+        line += f" {flops / us / 1e6:6.1f} TFLOP/s"
+    return line + f"  err {err:.1e}"
 
 
-def bench_decode(D, capacity, length, dtype, window=None, sweep=False):
-    ring = window is not None
-    rows_used = capacity if ring else length
-    sets = rotating_caches(rows_used, capacity, D, dtype)
-    q = torch.randn(H, D, device="cuda").to(dtype)
-    pos = torch.tensor([length - 1], device="cuda")
-    slot_pos = None
-    if ring:
-        first = length - capacity
-        slot_pos = ((torch.arange(capacity, device="cuda") - first) % capacity + first).to(torch.int32)
-    kw = dict(window=window, slot_pos=slot_pos)
-    nbytes = 2 * min(length, capacity) * D * q.element_size()
-    nxt = cycler(len(sets))
-    name = f"decode D={D} {'ring' if ring else 'cache'}={capacity} len={length}"
-    ref_us = median_us(lambda: attn.decode_attention_reference(q, *sets[nxt()], pos, **kw))
+def bench_case(name: str, case: Case, window, visible: int, pairs: int, configs, device) -> list[str]:
+    """Check `case` against the reference with each config (splits, tiles; None: the kernel's own
+    choice) and time it. `visible`: keys each sequence's queries can see; `pairs`: (query, visible
+    key) pairs for TFLOP/s (0: none shown)."""
+    ref = case.run(window=window, reference=True).float()
+    nbytes = 2 * case.seqs.rows.shape[0] * visible * case.k.shape[1] * case.k.element_size()
+    flops = 4 * HEADS * pairs * case.k.shape[1]
+    out = torch.empty_like(case.q)
+    lines = []
+    for splits, tiles in configs:
+        try:
+            err = (case.run(window=window, splits=splits, tiles=tiles).float() - ref).abs().max().item()
+            us = time_us(lambda c: case.run(c, window=window, out=out, splits=splits, tiles=tiles), case.copies, device)
+        except triton.runtime.errors.OutOfResources as e:
+            lines.append(f"{name:44s} splits={splits} tiles={tuple(tiles)}: {e}")
+            continue
+        label = "default" if splits is None and tiles is None else (
+            f"splits={splits}" if tiles is None else f"tiles={tuple(tiles)}")
+        lines.append(report(name, label, us, nbytes, flops, err))
+        print(lines[-1], flush=True)
+    return lines
 
+
+def decode_configs(kind: str, dim: int, batch: int, sweep: bool) -> list:
     configs = [(None, None)]
     if sweep:
-        block_ns = (16, 32, 64) if D == 512 else (32, 64, 128)
-        splits = (8, 16, 32) if ring else (66, 132, 256)
-        configs += [(s, attn.AttentionTiles(16, bn, 4, st)) for s in splits for bn in block_ns for st in (2, 3)]
-    ref = attn.decode_attention_reference(q, *sets[0], pos, **kw)
-    for splits, tiles in configs:
-        tune = dict(num_splits=splits, tiles=tiles)
-        try:
-            got = attn.decode_attention_triton(q, *sets[0], pos, **kw, **tune)
-            err = (got.float() - ref.float()).abs().max().item()
-            eager = median_us(lambda: attn.decode_attention_triton(q, *sets[nxt()], pos, **kw, **tune))
-            calls = len(sets) * max(1, 16 // len(sets))
-            graph = graph_us(lambda i: attn.decode_attention_triton(q, *sets[i % len(sets)], pos, **kw, **tune), calls)
-        except triton.runtime.errors.OutOfResources as e:
-            print(f"{name:42s} splits={splits} tiles={tuple(tiles)}: {e}")
-            continue
-        label = "default" if splits is None else f"splits={splits} {tuple(tiles)}"
-        print(
-            f"{name:42s} {label:32s} eager {eager:8.1f} us  graph {graph:8.1f} us  "
-            f"{nbytes / graph / 1e3:7.0f} GB/s  ref {ref_us:8.1f} us  err {err:.1e}"
-        )
+        splits = sorted({max(1, s // batch) for s in DECODE_SPLITS[kind]})
+        configs += [(s, None) for s in splits]
+        configs += [(None, attn.AttentionTiles(*t)) for t in DECODE_TILES[dim]]
+    return configs
 
 
-def bench_prefill(D, n_keys, T, dtype, window=None, sweep=False):
-    k = torch.randn(n_keys, D, device="cuda").to(dtype)
-    v = torch.randn_like(k)
-    q = torch.randn(T, H, D, device="cuda").to(dtype)
-    if window is None:
-        k_pos = torch.arange(n_keys, device="cuda")
-        q_pos = k_pos[-T:]
-        pairs = T * (n_keys - T) + T * (T + 1) // 2  # (query, visible key) pairs
-    else:  # ring of the previous window (a wrapped order) followed by the chunk
-        ring = n_keys - T
-        start = 5 * ring + 17
-        ring_pos = (torch.arange(ring, device="cuda") - start) % ring + start - ring
-        q_pos = torch.arange(start, start + T, device="cuda")
-        k_pos = torch.cat([ring_pos, q_pos])
-        pairs = T * window
-    ref = attn.prefill_attention_reference(q, k, v, q_pos, k_pos, window=window)
-    ref_us = median_us(lambda: attn.prefill_attention_reference(q, k, v, q_pos, k_pos, window=window))
-    nbytes = 2 * n_keys * D * q.element_size()
-    flops = 4 * H * pairs * D
-    name = f"prefill D={D} T={T} keys={n_keys:<6d} {'window=' + str(window) if window else 'causal':12s}"
-    configs = [None]
-    if sweep:
-        shapes = PREFILL_SWEEP_512 if D == 512 else PREFILL_SWEEP_256
-        configs += [attn.AttentionTiles(*shape) for shape in shapes]
-    for tiles in configs:
-        fn = lambda: attn.prefill_attention_triton(q, k, v, q_pos, k_pos, window=window, tiles=tiles)
-        try:
-            err = (fn().float() - ref.float()).abs().max().item()
-            us = median_us(fn)
-        except triton.runtime.errors.OutOfResources as e:
-            print(f"{name} tiles={tuple(tiles)}: {e}")
-            continue
-        label = "default" if tiles is None else str(tuple(tiles))
-        print(
-            f"{name} {label:18s} {us:9.1f} us  {nbytes / us / 1e3:7.0f} GB/s  {flops / us / 1e6:6.1f} TFLOP/s  "
-            f"ref {ref_us:9.1f} us  err {err:.1e}"
-        )
+def bench_decode(batches, lengths, max_ctx, dtype, device, sweep) -> list[str]:
+    """Decode steps of each batch size: a sliding layer (its queries see the last `window` keys
+    of a longer history), then a full layer at each length."""
+    lines = []
+    dim, window = SLIDING
+    history = min(max(lengths), 4 * window)
+    for b in batches:
+        case = Case(b, history, 1, dim, dtype, device, copies=copies_for(b, history, dim, dtype)).with_max_keys(max_ctx)
+        lines += bench_case(f"decode sliding D={dim} B={b} len={history}", case, window, min(window, history), 0,
+                            decode_configs("sliding", dim, b, sweep), device)
+        del case
+        for length in lengths:
+            case = Case(b, length, 1, FULL_DIM, dtype, device,
+                        copies=copies_for(b, length, FULL_DIM, dtype)).with_max_keys(max_ctx)
+            lines += bench_case(f"decode full D={FULL_DIM} B={b} len={length}", case, None, length, 0,
+                                decode_configs("full", FULL_DIM, b, sweep), device)
+            del case
+    return lines
 
 
-def main():
+def bench_prefill(lengths, chunk, dtype, device, sweep) -> list[str]:
+    """A chunk of one sequence's prompt, the last `chunk` of its keys: over a sliding layer's
+    window, then over a full layer's whole prefix at each length."""
+    lines = []
+    dim, window = SLIDING
+    runs = [(dim, window, min(lengths) + chunk)] + [(FULL_DIM, None, n) for n in lengths if n >= chunk]
+    for d, w, n_keys in runs:
+        case = Case(1, n_keys, chunk, d, dtype, device, copies=copies_for(1, n_keys, d, dtype))
+        first = n_keys - chunk  # position of the chunk's first query
+        pairs = sum(min(w or n_keys, first + t + 1) for t in range(chunk))
+        configs = [(None, None)] + ([(None, attn.AttentionTiles(*t)) for t in PREFILL_TILES[d]] if sweep else [])
+        lines += bench_case(f"prefill D={d} T={chunk} keys={n_keys} {f'window={w}' if w else 'causal'}", case, w,
+                            min(w + chunk if w else n_keys, n_keys), pairs, configs, device)
+        del case
+    return lines
+
+
+def int_list(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    parser.add_argument("--device", default="cuda",
+                        help="cuda, or cpu under TRITON_INTERPRET=1 (a check, not a timing)")
     parser.add_argument("--only", choices=["decode", "prefill"], help="time one of the two")
     parser.add_argument("--sweep", action="store_true", help="also time other split counts and tiles")
-    args = parser.parse_args()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    parser.add_argument("--batch", default="1,4,16", help="decode sequences per call (default: %(default)s)")
+    parser.add_argument("--lengths", default="512,4096,32768,131072", help="keys per sequence (default: %(default)s)")
+    parser.add_argument("--max-ctx", type=int, default=131072, help="the context the splits are sized for")
+    parser.add_argument("--chunk", type=int, default=256, help="prefill chunk tokens (default: %(default)s)")
+    args = parser.parse_args(argv)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    device = torch.device(args.device)
     torch.manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  {args.dtype}")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (interpreted: not a timing)"
+    print(f"{name}  torch {torch.__version__}  triton {triton.__version__}  {args.dtype}")
+    lengths = int_list(args.lengths)
     if args.only != "prefill":
-        bench_decode(256, 512, 5000, dtype, window=512, sweep=args.sweep)
-        for length in (512, 4096, 32768, 131072):
-            bench_decode(512, CACHE, length, dtype, sweep=args.sweep)
+        bench_decode(int_list(args.batch), lengths, args.max_ctx, dtype, device, args.sweep)
     if args.only != "decode":
-        bench_prefill(256, 512 + 256, 256, dtype, window=512, sweep=args.sweep)
-        for n_keys in (256, 4096, 32768, 131072):
-            bench_prefill(512, n_keys, 256, dtype, sweep=args.sweep)
+        bench_prefill(lengths, args.chunk, dtype, device, args.sweep)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
