@@ -160,11 +160,13 @@ def test_public_function_uses_reference_on_cpu(monkeypatch):
     assert torch.equal(attn.paged_attention(*args), attn.paged_attention_reference(*args))
 
 
-def test_splits_cover_two_programs_per_sm_for_any_batch():
+def test_splits_fill_two_programs_per_sm_and_never_start_a_third_wave():
     tiles = attn.AttentionTiles(16, 64, 4, 2)
     cpu = torch.device("cpu")  # 4 "SMs" off CUDA
     assert attn.num_splits(1, 1, 131072, tiles, cpu) == 8
+    assert attn.num_splits(3, 1, 131072, tiles, cpu) == 2  # 6 programs: 3 splits would make 9 of 8
     assert attn.num_splits(8, 1, 131072, tiles, cpu) == 1
+    assert attn.num_splits(5, 1, 131072, tiles, cpu) == 1
     assert attn.num_splits(1, 1, 100, tiles, cpu) == 2  # no more splits than key tiles
     assert attn.num_splits(1, 2, 3000, tiles, cpu, chunk=True) == 3  # prompt chunks: >= 1024 keys per split
     assert attn.num_splits(1, 2, 3000, tiles, cpu) == 4  # a few tokens (drafts): as for one
