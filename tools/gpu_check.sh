@@ -4,7 +4,7 @@
 # ./out). Compiled kernels stay in $TRITON_CACHE_DIR (default /tmp/qat4_triton_cache); the cache
 # also leaves as $OUT/triton_cache.tar.xz.NN (15 MiB parts), and parts found in .triton_cache/ are
 # unpacked into it first, so a fresh machine starts with the kernels an earlier one compiled.
-#   usage: tools/gpu_check.sh STEP...   steps: kernels sweep tests bench cap tune serve load overhead turns eval spec specstep mtp grammar profile all
+#   usage: tools/gpu_check.sh STEP...   steps: kernels sweep tests bench cap tune serve load overhead turns eval spec specstep mtp grammar profile attention all
 #     kernels  the int4 kernels at E2B decode shapes: GEMV, decode-batch kernel and GEMM at 2, 16, 64 rows;
 #              the batch kernel again with one dot a step (ONE_DOT) at 16 and 64
 #     sweep    every decode-batch tiling at 4, 16 and 64 rows (tools/bench_w4.py --sweep)
@@ -26,7 +26,9 @@
 #     mtp      the same as spec with a synthetic E2B MTP drafter: its drafts' cost, paid in every replayed step
 #     grammar  the decode step with every row constrained by a JSON schema against unconstrained, at 1 and 16 rows
 #              (tools/bench_grammar.py --engine)
-#     profile  tools/profile_step.py at 1 and 64 sequences
+#     profile  tools/profile_step.py at 1 and 64 sequences ($PROFILE_BATCHES), and a prompt chunk of $PROFILE_CHUNK (512)
+#     attention the paged attention kernel's decode at 1, 4, 16, 64 sequences over 512 to 131,072 keys
+#              (tools/bench_attention.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; LOGS=${LOGS:-/tmp/qat4_logs}; mkdir -p "$OUT" "$LOGS"
@@ -135,6 +137,13 @@ if want grammar; then
 fi
 if want profile; then
     for batch in ${PROFILE_BATCHES:-1 64}; do
-        timeout 200 python3 tools/profile_step.py --depth 512 --batch $batch 2>&1 | tee "$LOGS/profile_step_$batch.log" | head -24
+        # the whole table in the log (a `head` on tee's pipe would stop the tool before its prompt chunk)
+        timeout 200 python3 tools/profile_step.py --depth 512 --batch $batch --chunk ${PROFILE_CHUNK:-512} \
+            >"$LOGS/profile_step_$batch.log" 2>&1
+        grep -v Warning "$LOGS/profile_step_$batch.log" | grep -v "^  (" | head -60
     done
+fi
+if want attention; then
+    timeout ${ATTENTION_TIMEOUT:-300} python3 tools/bench_attention.py --only decode --batch 1,4,16,64 \
+        --lengths 512,32768,131072 2>&1 | tee "$LOGS/bench_attention.log" | grep -v Warning
 fi
