@@ -4,9 +4,9 @@
                                     [--batch 1,4,16] [--lengths 512,4096,32768,131072] [--max-ctx 131072]
 
 Decode: B sequences of one query token each, as the engine's decode graphs launch them: the
-sliding layers (head dim 256, window 512) and the full layers (head dim 512) at each length, the
-key splits sized for a context of ``--max-ctx`` tokens as the engine sizes them. Prefill: one
-256-token chunk of one sequence over a prefix of each length. The K/V pages of every sequence are
+sliding layers (head dim 256, window 512) and the full layers (head dim 512) at each length. Prefill:
+one 256-token chunk of one sequence over a prefix of each length. The key splits of both are sized
+for a context of ``--max-ctx`` tokens, as the engine's graphs size them. The K/V pages of every sequence are
 distinct memory, and a case smaller than four L2s cycles through that many copies of its pool, so
 every call reads its keys from HBM. Each case is checked against the torch reference and timed as
 CUDA-graph replays of back-to-back calls (median µs per call); GB/s counts the K and V bytes the
@@ -123,7 +123,7 @@ def bench_case(name: str, case: Case, window, visible: int, pairs: int, configs,
             err = (case.run(window=window, splits=splits, tiles=tiles).float() - ref).abs().max().item()
             us = time_us(lambda c: case.run(c, window=window, out=out, splits=splits, tiles=tiles), case.copies, device)
         except triton.runtime.errors.OutOfResources as e:
-            lines.append(f"{name:44s} splits={splits} tiles={tuple(tiles)}: {e}")
+            lines.append(f"{name:44s} splits={splits} tiles={tiles and tuple(tiles)}: {e}")
             continue
         label = "default" if splits is None and tiles is None else (
             f"splits={splits}" if tiles is None else f"tiles={tuple(tiles)}")
@@ -148,7 +148,8 @@ def bench_decode(batches, lengths, max_ctx, dtype, device, sweep) -> list[str]:
     dim, window = SLIDING
     history = min(max(lengths), 4 * window)
     for b in batches:
-        case = Case(b, history, 1, dim, dtype, device, copies=copies_for(b, history, dim, dtype)).with_max_keys(max_ctx)
+        case = Case(b, history, 1, dim, dtype, device,  # copies by the keys read: the window's
+                    copies=copies_for(b, min(window, history), dim, dtype)).with_max_keys(max_ctx)
         lines += bench_case(f"decode sliding D={dim} B={b} len={history}", case, window, min(window, history), 0,
                             decode_configs("sliding", dim, b, sweep), device)
         del case
@@ -161,19 +162,20 @@ def bench_decode(batches, lengths, max_ctx, dtype, device, sweep) -> list[str]:
     return lines
 
 
-def bench_prefill(lengths, chunk, dtype, device, sweep) -> list[str]:
+def bench_prefill(lengths, chunk, max_ctx, dtype, device, sweep) -> list[str]:
     """A chunk of one sequence's prompt, the last `chunk` of its keys: over a sliding layer's
-    window, then over a full layer's whole prefix at each length."""
+    window, then over a full layer's whole prefix at each length; split for a context of max_ctx,
+    as the engine's prompt graphs are."""
     lines = []
     dim, window = SLIDING
     runs = [(dim, window, min(lengths) + chunk)] + [(FULL_DIM, None, n) for n in lengths if n >= chunk]
     for d, w, n_keys in runs:
-        case = Case(1, n_keys, chunk, d, dtype, device, copies=copies_for(1, n_keys, d, dtype))
+        case = Case(1, n_keys, chunk, d, dtype, device, copies=copies_for(1, n_keys, d, dtype)).with_max_keys(max_ctx)
         first = n_keys - chunk  # position of the chunk's first query
         pairs = sum(min(w or n_keys, first + t + 1) for t in range(chunk))
         configs = [(None, None)] + ([(None, attn.AttentionTiles(*t)) for t in PREFILL_TILES[d]] if sweep else [])
         lines += bench_case(f"prefill D={d} T={chunk} keys={n_keys} {f'window={w}' if w else 'causal'}", case, w,
-                            min(w + chunk if w else n_keys, n_keys), pairs, configs, device)
+                            min(w + chunk - 1 if w else n_keys, n_keys), pairs, configs, device)
         del case
     return lines
 
@@ -203,7 +205,7 @@ def main(argv=None) -> int:
     if args.only != "prefill":
         bench_decode(int_list(args.batch), lengths, args.max_ctx, dtype, device, args.sweep)
     if args.only != "decode":
-        bench_prefill(lengths, args.chunk, dtype, device, args.sweep)
+        bench_prefill(lengths, args.chunk, args.max_ctx, dtype, device, args.sweep)
     return 0
 
 

@@ -298,8 +298,8 @@ def _sm_count(device: torch.device) -> int:
 def num_splits(n_seqs: int, row_blocks: int, max_keys: int, tiles: AttentionTiles, device: torch.device,
                chunk: bool = False) -> int:
     """Key splits for ``n_seqs`` sequences of ``row_blocks`` query blocks each over at most
-    ``max_keys`` keys: as many programs as two per SM, never more (at most 256 splits), no more
-    splits than key tiles, and for prompt chunks (``chunk``: more than DECODE_QUERIES tokens per
+    ``max_keys`` keys: the most splits that keep the programs within two per SM (at least one, at
+    most 256), no more splits than key tiles, and for prompt chunks (``chunk``: more than DECODE_QUERIES tokens per
     sequence) at least 1024 keys per split. A decode tile's K/V stages take more than half an H200
     SM's shared memory, so an SM runs one program at a time: two per SM are two waves, and one
     program more starts a third (16 sequences over 131,072 keys each: 17 splits took 1,571 µs a
