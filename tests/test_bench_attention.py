@@ -15,7 +15,7 @@ import bench_attention  # noqa: E402
 
 def test_a_case_scatters_each_sequences_pages_and_its_copies_hold_other_keys():
     torch.manual_seed(0)
-    case = bench_attention.Case(3, 40, 2, 32, torch.float32, "cpu", block_size=8, copies=2)
+    case = bench_attention.Case(3, 40, 2, 32, torch.float32, "cpu", max_keys=40, block_size=8, copies=2)
     assert case.seqs.positions.tolist() == [38, 39] * 3 and case.seqs.cu_q.tolist() == [0, 2, 4, 6]
     for copy, table in enumerate(case.tables):
         assert sorted(table.flatten().tolist()) == list(range(copy * 15, (copy + 1) * 15))  # 3 x 5 blocks each

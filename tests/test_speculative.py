@@ -462,7 +462,8 @@ def test_long_generations_slide_past_the_window_with_speculation_and_stay_exact(
         assert seq.output == tokens
     assert 0 < sum(s.accepted for s in seqs) < sum(s.drafted for s in seqs)
     assert engine.scheduler.preempted_total == 0
-    assert 0 < most <= sliding_blocks_per_seq(SMALL.sliding_window + spec_lookahead(K), 4, 128)  # old blocks were given back
+    # old blocks were given back
+    assert 0 < most <= sliding_blocks_per_seq(SMALL.sliding_window + spec_lookahead(K), 4, 128)
     assert_pool_empty(engine)
 
 

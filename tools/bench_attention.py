@@ -25,10 +25,10 @@ import time
 
 import torch
 import triton
-import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench_w4 import graph_time_us  # noqa: E402  (this tool's folder)
 from qat4.ops import attention as attn  # noqa: E402
 
 HEADS = 8
@@ -43,12 +43,13 @@ PREFILL_TILES = {256: [(64, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2), (32, 64,
 
 
 class Case:
-    """``seqs`` sequences whose queries sit at positions ``positions`` (one list per sequence), over
-    K/V pages of head dim ``dim``: each sequence's ``length`` keys in blocks of ``block_size`` rows
-    of a pool of ``copies`` sets, set c at block offset c * blocks."""
+    """``seqs`` sequences of ``length`` keys each, whose ``queries`` query tokens are the last
+    positions, over K/V pages of head dim ``dim``: each sequence's keys in blocks of ``block_size``
+    rows, scattered over a pool of ``copies`` sets (set c at block offset c * blocks). The key
+    splits are sized for ``max_keys`` keys a sequence (:class:`~qat4.ops.attention.PagedSeqs`)."""
 
-    def __init__(self, seqs: int, length: int, queries: int, dim: int, dtype, device, block_size: int = 16,
-                 copies: int = 1):
+    def __init__(self, seqs: int, length: int, queries: int, dim: int, dtype, device, *, max_keys: int,
+                 block_size: int = 16, copies: int = 1):
         per_seq = triton.cdiv(length, block_size)
         blocks = seqs * per_seq
         self.copies = copies
@@ -61,11 +62,7 @@ class Case:
         self.q = torch.randn(seqs * queries, HEADS, dim, device=device).to(dtype)
         self.seqs = attn.PagedSeqs(positions, torch.arange(0, seqs * queries + 1, queries, dtype=torch.int32,
                                                            device=device),
-                                   torch.arange(seqs, dtype=torch.int32, device=device), queries, length)
-
-    def with_max_keys(self, max_keys: int) -> "Case":
-        self.seqs = self.seqs._replace(max_keys=max_keys)
-        return self
+                                   torch.arange(seqs, dtype=torch.int32, device=device), queries, max_keys)
 
     def run(self, copy: int = 0, *, window=None, out=None, splits=None, tiles=None, reference=False):
         if reference:
@@ -92,14 +89,7 @@ def time_us(call, copies: int, device) -> float:
             times.append(time.perf_counter() - start)
         return statistics.median(times) * 1e6
     calls = copies * max(1, 16 // copies)
-    for i in range(calls):  # compile and warm up outside the capture
-        call(i % copies)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            call(i % copies)
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3 / calls
+    return graph_time_us(lambda: [call(i % copies) for i in range(calls)], calls)
 
 
 def report(name: str, label: str, us: float, nbytes: int, flops: int, err: float) -> str:
@@ -124,10 +114,10 @@ def bench_case(name: str, case: Case, window, visible: int, pairs: int, configs,
             us = time_us(lambda c: case.run(c, window=window, out=out, splits=splits, tiles=tiles), case.copies, device)
         except triton.runtime.errors.OutOfResources as e:
             lines.append(f"{name:44s} splits={splits} tiles={tiles and tuple(tiles)}: {e}")
-            continue
-        label = "default" if splits is None and tiles is None else (
-            f"splits={splits}" if tiles is None else f"tiles={tuple(tiles)}")
-        lines.append(report(name, label, us, nbytes, flops, err))
+        else:
+            label = "default" if splits is None and tiles is None else (
+                f"splits={splits}" if tiles is None else f"tiles={tuple(tiles)}")
+            lines.append(report(name, label, us, nbytes, flops, err))
         print(lines[-1], flush=True)
     return lines
 
@@ -147,15 +137,15 @@ def bench_decode(batches, lengths, max_ctx, dtype, device, sweep) -> list[str]:
     lines = []
     dim, window = SLIDING
     history = min(max(lengths), 4 * window)
+    visible = min(window, history)  # the keys a sliding query reads, which the pool copies are sized by
     for b in batches:
-        case = Case(b, history, 1, dim, dtype, device,  # copies by the keys read: the window's
-                    copies=copies_for(b, min(window, history), dim, dtype)).with_max_keys(max_ctx)
-        lines += bench_case(f"decode sliding D={dim} B={b} len={history}", case, window, min(window, history), 0,
+        case = Case(b, history, 1, dim, dtype, device, max_keys=max_ctx, copies=copies_for(b, visible, dim, dtype))
+        lines += bench_case(f"decode sliding D={dim} B={b} len={history}", case, window, visible, 0,
                             decode_configs("sliding", dim, b, sweep), device)
         del case
         for length in lengths:
-            case = Case(b, length, 1, FULL_DIM, dtype, device,
-                        copies=copies_for(b, length, FULL_DIM, dtype)).with_max_keys(max_ctx)
+            case = Case(b, length, 1, FULL_DIM, dtype, device, max_keys=max_ctx,
+                        copies=copies_for(b, length, FULL_DIM, dtype))
             lines += bench_case(f"decode full D={FULL_DIM} B={b} len={length}", case, None, length, 0,
                                 decode_configs("full", FULL_DIM, b, sweep), device)
             del case
@@ -170,7 +160,7 @@ def bench_prefill(lengths, chunk, max_ctx, dtype, device, sweep) -> list[str]:
     dim, window = SLIDING
     runs = [(dim, window, min(lengths) + chunk)] + [(FULL_DIM, None, n) for n in lengths if n >= chunk]
     for d, w, n_keys in runs:
-        case = Case(1, n_keys, chunk, d, dtype, device, copies=copies_for(1, n_keys, d, dtype)).with_max_keys(max_ctx)
+        case = Case(1, n_keys, chunk, d, dtype, device, max_keys=max_ctx, copies=copies_for(1, n_keys, d, dtype))
         first = n_keys - chunk  # position of the chunk's first query
         pairs = sum(min(w or n_keys, first + t + 1) for t in range(chunk))
         configs = [(None, None)] + ([(None, attn.AttentionTiles(*t)) for t in PREFILL_TILES[d]] if sweep else [])

@@ -299,14 +299,14 @@ def num_splits(n_seqs: int, row_blocks: int, max_keys: int, tiles: AttentionTile
                chunk: bool = False) -> int:
     """Key splits for ``n_seqs`` sequences of ``row_blocks`` query blocks each over at most
     ``max_keys`` keys: the most splits that keep the programs within two per SM (at least one, at
-    most 256), no more splits than key tiles, and for prompt chunks (``chunk``: more than DECODE_QUERIES tokens per
-    sequence) at least 1024 keys per split. A decode tile's K/V stages take more than half an H200
-    SM's shared memory, so an SM runs one program at a time: two per SM are two waves, and one
-    program more starts a third (16 sequences over 131,072 keys each: 17 splits took 1,571 µs a
-    layer, 16 splits 999; ``tools/bench_attention.py --sweep``). A decode step's few tokens per
-    sequence (one, or a speculative step's newest token and drafts) split as finely as the keys
-    allow. Depends on shapes and bounds only, never on the positions, so a captured graph serves
-    every length."""
+    most 256), no more splits than key tiles, and for prompt chunks (``chunk``: more than
+    DECODE_QUERIES tokens per sequence) at least 1024 keys per split. A decode tile's K/V stages
+    take more than half an H200 SM's shared memory, so an SM runs one program at a time: two per
+    SM are two waves, and one program more starts a third (16 sequences over 131,072 keys each: 17
+    splits took 1,571 µs a layer, 16 splits 999; ``tools/bench_attention.py --sweep``). A decode
+    step's few tokens per sequence (one, or a speculative step's newest token and drafts) split as
+    finely as the keys allow. Depends on shapes and bounds only, never on the positions, so a
+    captured graph serves every length."""
     want = 2 * _sm_count(device) // max(1, n_seqs * row_blocks)
     keys_per_split = 1024 if chunk else tiles.block_n
     return max(1, min(want, triton.cdiv(max_keys, keys_per_split), _MAX_SPLITS))
