@@ -25,7 +25,9 @@ Triton design: ``_paged_attn_kernel`` computes online-softmax attention for a bl
 one split of the keys that block can see; the split bounds come from the positions inside the
 kernel, so a captured CUDA graph stays valid at every length, and the active length is spread
 evenly over all splits. With more than one split the kernel writes fp32 partials (m, l, acc) and
-``_attn_merge_kernel`` combines them.
+``_attn_merge_kernel`` combines them. (Merging in the last split program of each row block
+instead, on a ticket, made every decode step on an H200 114-154 µs longer than the separate merge
+launches, which cost 61-93 µs: BENCHMARKS.md, 2026-12-03.)
 """
 
 import functools

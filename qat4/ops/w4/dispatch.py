@@ -112,8 +112,10 @@ def w4_linear_gelu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 def w4_linear_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, residual: ResidualStep, *,
                        tilings: MatvecTilings | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A linear layer on x [T, K] feeding a residual step: fused into the GEMV, else the product
-    then :func:`qat4.ops.norms.residual_rms_norm_triton`; ``tilings`` as the module docstring
-    says. See :func:`qat4.ops.w4.reference.w4_linear_residual_reference`."""
+    then :func:`qat4.ops.norms.residual_rms_norm_triton` (run in the batch kernel's last program
+    instead, the step on an H200 took 145 / 310 / 664 µs longer at 2 / 4 / 8 rows: BENCHMARKS.md,
+    2026-12-03); ``tilings`` as the module docstring says. See
+    :func:`qat4.ops.w4.reference.w4_linear_residual_reference`."""
     kernel = _kernel(x, packed)
     if kernel == "reference":
         return w4_linear_residual_reference(x, packed, scales, residual)
