@@ -68,6 +68,9 @@ covers BLOCK_G groups, BLOCK_K = 32 * BLOCK_G columns::
   register; the first ones loaded before the PDL wait too), and num_stages > 1 lets Triton
   pipeline the loads through shared memory; both pay the conversion of the unpacked planes, and
   both are in :func:`~qat4.ops.w4.batch_tiling.batch_tiling_candidates` for the GPU to decide.
+  A Gluon kernel that loaded the words straight in the wgmma operand's layout and held one or two
+  later steps of them in registers matched the reference but took 1,505 against 1,379 µs for a
+  4-row step's products on an H200 at best (BENCHMARKS.md, 2026-12-03).
 - *One dot per step* (ONE_DOT): the eight planes interleaved back into column order with joins
   (which keep each value in the thread that unpacked it) and one dot of K = 32 * BLOCK_G with the
   x tile as loaded, instead of eight dots of K = 4 * BLOCK_G on the eight column planes of x.
