@@ -99,27 +99,25 @@ def report(name: str, label: str, us: float, nbytes: int, flops: int, err: float
     return line + f"  err {err:.1e}"
 
 
-def bench_case(name: str, case: Case, window, visible: int, pairs: int, configs, device) -> list[str]:
+def bench_case(name: str, case: Case, window, visible: int, pairs: int, configs, device) -> None:
     """Check `case` against the reference with each config (splits, tiles; None: the kernel's own
-    choice) and time it. `visible`: keys each sequence's queries can see; `pairs`: (query, visible
-    key) pairs for TFLOP/s (0: none shown)."""
+    choice), time it and print a line. `visible`: keys each sequence's queries can see; `pairs`:
+    (query, visible key) pairs for TFLOP/s (0: none shown)."""
     ref = case.run(window=window, reference=True).float()
     nbytes = 2 * case.seqs.rows.shape[0] * visible * case.k.shape[1] * case.k.element_size()
     flops = 4 * HEADS * pairs * case.k.shape[1]
     out = torch.empty_like(case.q)
-    lines = []
     for splits, tiles in configs:
         try:
             err = (case.run(window=window, splits=splits, tiles=tiles).float() - ref).abs().max().item()
             us = time_us(lambda c: case.run(c, window=window, out=out, splits=splits, tiles=tiles), case.copies, device)
         except triton.runtime.errors.OutOfResources as e:
-            lines.append(f"{name:44s} splits={splits} tiles={tiles and tuple(tiles)}: {e}")
+            line = f"{name:44s} splits={splits} tiles={tiles and tuple(tiles)}: {e}"
         else:
             label = "default" if splits is None and tiles is None else (
                 f"splits={splits}" if tiles is None else f"tiles={tuple(tiles)}")
-            lines.append(report(name, label, us, nbytes, flops, err))
-        print(lines[-1], flush=True)
-    return lines
+            line = report(name, label, us, nbytes, flops, err)
+        print(line, flush=True)
 
 
 def decode_configs(kind: str, dim: int, batch: int, sweep: bool) -> list:
@@ -131,32 +129,29 @@ def decode_configs(kind: str, dim: int, batch: int, sweep: bool) -> list:
     return configs
 
 
-def bench_decode(batches, lengths, max_ctx, dtype, device, sweep) -> list[str]:
+def bench_decode(batches, lengths, max_ctx, dtype, device, sweep) -> None:
     """Decode steps of each batch size: a sliding layer (its queries see the last `window` keys
     of a longer history), then a full layer at each length."""
-    lines = []
     dim, window = SLIDING
     history = min(max(lengths), 4 * window)
     visible = min(window, history)  # the keys a sliding query reads, which the pool copies are sized by
     for b in batches:
         case = Case(b, history, 1, dim, dtype, device, max_keys=max_ctx, copies=copies_for(b, visible, dim, dtype))
-        lines += bench_case(f"decode sliding D={dim} B={b} len={history}", case, window, visible, 0,
+        bench_case(f"decode sliding D={dim} B={b} len={history}", case, window, visible, 0,
                             decode_configs("sliding", dim, b, sweep), device)
         del case
         for length in lengths:
             case = Case(b, length, 1, FULL_DIM, dtype, device, max_keys=max_ctx,
                         copies=copies_for(b, length, FULL_DIM, dtype))
-            lines += bench_case(f"decode full D={FULL_DIM} B={b} len={length}", case, None, length, 0,
+            bench_case(f"decode full D={FULL_DIM} B={b} len={length}", case, None, length, 0,
                                 decode_configs("full", FULL_DIM, b, sweep), device)
             del case
-    return lines
 
 
-def bench_prefill(lengths, chunk, max_ctx, dtype, device, sweep) -> list[str]:
+def bench_prefill(lengths, chunk, max_ctx, dtype, device, sweep) -> None:
     """A chunk of one sequence's prompt, the last `chunk` of its keys: over a sliding layer's
     window, then over a full layer's whole prefix at each length; split for a context of max_ctx,
     as the engine's prompt graphs are."""
-    lines = []
     dim, window = SLIDING
     runs = [(dim, window, min(lengths) + chunk)] + [(FULL_DIM, None, n) for n in lengths if n >= chunk]
     for d, w, n_keys in runs:
@@ -164,10 +159,9 @@ def bench_prefill(lengths, chunk, max_ctx, dtype, device, sweep) -> list[str]:
         first = n_keys - chunk  # position of the chunk's first query
         pairs = sum(min(w or n_keys, first + t + 1) for t in range(chunk))
         configs = [(None, None)] + ([(None, attn.AttentionTiles(*t)) for t in PREFILL_TILES[d]] if sweep else [])
-        lines += bench_case(f"prefill D={d} T={chunk} keys={n_keys} {f'window={w}' if w else 'causal'}", case, w,
+        bench_case(f"prefill D={d} T={chunk} keys={n_keys} {f'window={w}' if w else 'causal'}", case, w,
                             min(w + chunk - 1 if w else n_keys, n_keys), pairs, configs, device)
         del case
-    return lines
 
 
 def int_list(text: str) -> list[int]:
