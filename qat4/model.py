@@ -155,11 +155,20 @@ class Gemma4:
             reserve_scratch(self.device, dtype, largest_product(cfg))
 
     def _matrix(self, t: PackedTensor) -> PackedTensor:
-        """A packed matrix on the device. Its group steps keep their stored dtype (the kernels read
-        them as fp32, so fp16 steps stay exact under bf16 compute), except that bf16 steps become
-        fp16 where the compute dtype is fp16 (GPUs without bf16)."""
-        convert = t.scales.dtype == torch.bfloat16 and self.dtype == torch.float16
-        return t.to(self.device, scale_dtype=torch.float16 if convert else None)
+        """A packed matrix on the device. fp16 group steps become bf16 under bf16 compute where
+        bf16 holds every one of them exactly (8 significant bits: the synthetic checkpoints' steps
+        have 4), so that the decode-batch kernel unpacks two weights per instruction
+        (:func:`~qat4.ops.w4.batch.unpacks_pairs`); bf16 steps become fp16 under fp16 compute
+        (GPUs without bf16). Other steps keep their stored dtype: the kernels read them as fp32,
+        so fp16 steps stay exact under bf16 compute."""
+        steps = t.scales
+        if steps.dtype == torch.bfloat16 and self.dtype == torch.float16:
+            steps = steps.to(torch.float16)
+        elif steps.dtype == torch.float16 and self.dtype == torch.bfloat16:
+            as_bf16 = steps.to(torch.bfloat16)
+            if torch.equal(as_bf16.to(torch.float16), steps):
+                steps = as_bf16
+        return PackedTensor(t.packed.to(self.device), steps.to(self.device))
 
     def _vector(self, t: torch.Tensor) -> torch.Tensor:
         """A norm weight or layer scalar on the device in the compute dtype."""

@@ -339,16 +339,20 @@ def test_a_build_out_of_memory_is_tried_again_with_half_as_many_sequences(monkey
         Engine.from_packed(packed, "cpu", max_ctx=64, max_num_seqs=4)
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_group_steps_keep_their_stored_dtype(dtype):
-    """fp16 steps stay fp16 under bf16 compute (converting them would move every weight off its
-    trained value); bf16 steps become fp16 only where compute is fp16."""
+def test_group_steps_take_the_compute_dtype_where_it_holds_them_exactly(dtype):
+    """fp16 steps become bf16 under bf16 compute where bf16 holds every one of them (the batch
+    kernel then unpacks in pairs), and stay fp16 where one needs more than bf16's 8 significant
+    bits (converting would move weights off their trained values); bf16 steps become fp16 where
+    compute is fp16. No step changes its value."""
     from qat4.checkpoint.synth import synthetic_model
 
-    packed = synthetic_model(TINY, seed=0)
-    for name, t in packed.tensors.items():
-        if name.endswith("q_proj") or name == "embed_tokens":
-            t.scales = t.scales.to(torch.float16 if name == "embed_tokens" else torch.bfloat16)
+    packed = synthetic_model(TINY, seed=0)  # fp16 steps of 4 significant bits
+    packed["layers.0.self_attn.q_proj"].scales = packed["layers.0.self_attn.q_proj"].scales.to(torch.bfloat16)
+    packed["per_layer_model_projection"].scales[0, 0] = 1 + 2**-10  # fp16 holds it, bf16 does not
     model = Engine.from_packed(packed, "cpu", dtype=dtype, max_ctx=64).model
-    assert model.embed_tokens.scales.dtype == torch.float16
-    assert model.layers[0].qkv.scales.dtype == (torch.float16 if dtype == torch.float16 else torch.bfloat16)
-    assert torch.equal(model.embed_tokens.scales, packed["embed_tokens"].scales)
+    assert model.embed_tokens.scales.dtype == dtype
+    assert model.ple_projection.scales.dtype == torch.float16
+    assert model.layers[0].qkv.scales.dtype == dtype
+    for ours, theirs in ((model.embed_tokens, packed["embed_tokens"]),
+                         (model.ple_projection, packed["per_layer_model_projection"])):
+        assert torch.equal(ours.scales.float(), theirs.scales.float())

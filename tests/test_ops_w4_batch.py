@@ -231,3 +231,92 @@ def test_pdl_reaches_decode_batches_but_not_prefill_chunks(monkeypatch):
     gpu_tensor = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
     on = lambda rows: pdl.pdl_launch(gpu_tensor, rows)["USE_PDL"]  # noqa: E731
     assert on(1) and on(128) and not on(129) and not on(256)
+
+
+# ----------------------------------------------------------------------------------------------
+# Unpacking two weights per instruction (PAIR_UNPACK): its PTX run here, and when it is used
+
+
+def _halves(value: int, dtype) -> torch.Tensor:
+    return torch.tensor([value & 0xFFFF, value >> 16], dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+def _packed_fma(a: int, b: int, c: int, dtype) -> int:
+    """fma.rn on two 16-bit halves: the exact a * b + c (exact in fp64 for these values), rounded
+    to nearest even once (fp64 -> fp32 exact here, fp32 -> dtype rounds)."""
+    exact = _halves(a, dtype).double() * _halves(b, dtype).double() + _halves(c, dtype).double()
+    bits = exact.float().to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
+    return int(bits[0]) | int(bits[1]) << 16
+
+
+def run_pairs_asm(asm: str, word0: int, word1: int, steps: int, dtype) -> list[int]:
+    """Execute the PTX of batch._nibble_pairs (the instructions it uses, on uint32 registers):
+    $8, $9 = the two words, $10 = their steps as two halves; returns $0..$7."""
+    regs = {"$8": word0 & 0xFFFFFFFF, "$9": word1 & 0xFFFFFFFF, "$10": steps}
+    value = lambda operand: regs[operand] if operand in regs else int(operand, 0)  # noqa: E731
+    for line in asm.strip("{}\n").splitlines():
+        op, _, rest = line.rstrip(";").partition(" ")
+        if op.startswith(".reg"):
+            continue
+        d, *args = [a.strip() for a in rest.split(",")]
+        a = [value(x) for x in args]
+        if op == "mov.b32":
+            regs[d] = a[0]
+        elif op == "prmt.b32":
+            source = (a[1] << 32 | a[0]).to_bytes(8, "little")
+            assert a[2] & 0x8888 == 0, "sign-replicating selectors are not used"
+            regs[d] = int.from_bytes(bytes(source[(a[2] >> 4 * i) & 7] for i in range(4)), "little")
+        elif op == "shr.b32":
+            regs[d] = a[0] >> a[1]
+        elif op == "lop3.b32":
+            x, y, z, lut = a
+            regs[d] = sum(1 << bit for bit in range(32)
+                          if lut >> ((x >> bit & 1) << 2 | (y >> bit & 1) << 1 | (z >> bit & 1)) & 1)
+        elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
+            assert op == ("fma.rn.bf16x2" if dtype == torch.bfloat16 else "fma.rn.f16x2")
+            regs[d] = _packed_fma(*a, dtype)
+        else:
+            raise AssertionError(f"unexpected instruction {line!r}")
+    return [regs[f"${i}"] for i in range(8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_pair_unpacking_ptx_gives_the_reference_weights(dtype):
+    """Plane i's halves are (nibble i of word 0 - 8) * step 0 and (nibble i of word 1 - 8) * step 1,
+    rounded once to dtype, as the fp32 route and the reference round them, for every code and
+    steps of 11 significant bits (fp16) and of either sign."""
+    asm = (wb._PAIR_UNPACK_BF16 if dtype == torch.bfloat16 else wb._PAIR_UNPACK_FP16).value
+    g = torch.Generator().manual_seed(7)
+    words = torch.randint(-(2**31), 2**31, (24, 2), generator=g, dtype=torch.int64)
+    words[0] = torch.tensor([0x76543210, -0x01234568])  # every code in both words
+    steps = ((torch.rand(24, 2, generator=g) * 0.03 + 1e-4) * (torch.randint(0, 2, (24, 2), generator=g) * 2 - 1))
+    steps = steps.to(torch.float16).to(dtype)  # fp16's 11 significant bits where dtype is fp16
+    for (w0, w1), (s0, s1) in zip(words.tolist(), steps):
+        packed_steps = int(torch.stack([s0, s1]).view(torch.int16)[0]) & 0xFFFF | (
+            int(torch.stack([s0, s1]).view(torch.int16)[1]) & 0xFFFF) << 16
+        planes = run_pairs_asm(asm, w0, w1, packed_steps, dtype)
+        for i, plane in enumerate(planes):
+            got = _halves(plane, dtype)
+            codes = torch.tensor([(w0 >> 4 * i) & 15, (w1 >> 4 * i) & 15])
+            want = ((codes - 8).float() * torch.stack([s0, s1]).float()).to(dtype)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (i, hex(w0), hex(w1), got, want)
+
+
+def test_pair_unpacking_needs_16_bit_x_with_steps_alike_on_a_gpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("QAT4_PAIR_UNPACK", raising=False)
+    monkeypatch.setattr(wb, "_packed_bf16_fma", lambda index: True)
+    on_gpu = lambda dtype: types.SimpleNamespace(is_cuda=True, dtype=dtype, device=torch.device("cuda", 0))  # noqa: E731
+    steps = lambda dtype: types.SimpleNamespace(dtype=dtype)  # noqa: E731
+    assert wb.unpacks_pairs(on_gpu(BF16), steps(BF16)) and wb.unpacks_pairs(on_gpu(F16), steps(F16))
+    assert not wb.unpacks_pairs(on_gpu(BF16), steps(F16))  # fp16 steps: the fp32 route rounds once
+    assert not wb.unpacks_pairs(on_gpu(F32), steps(F32))
+    assert not wb.unpacks_pairs(torch.zeros(2, 32, dtype=BF16), torch.zeros(2, 1, dtype=BF16))  # the CPU
+    monkeypatch.setenv("QAT4_PAIR_UNPACK", "0")
+    assert not wb.unpacks_pairs(on_gpu(BF16), steps(BF16))
+    monkeypatch.delenv("QAT4_PAIR_UNPACK")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not wb.unpacks_pairs(on_gpu(BF16), steps(BF16))
+    monkeypatch.setattr(wb, "_packed_bf16_fma", lambda index: False)  # before sm_80
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not wb.unpacks_pairs(on_gpu(BF16), steps(BF16))

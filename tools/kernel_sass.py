@@ -2,7 +2,7 @@
 loop runs: the installed Triton's compiler, ptxas and nvdisasm, for an sm_90a target by default.
 
     python tools/kernel_sass.py [--tile 64 128 4 8] [--one-dot] [--prefetch 0] [--stages 1] [--x-dtype bf16]
-                                [--arch 90]
+                                [--arch 90] [--fp32-unpack]
 
 Prints per tile (BLOCK_M BLOCK_N BLOCK_G num_warps) the registers and shared memory a program
 takes and the instructions of the loop's body by class (HGMMA, WARPGROUP, BAR, LDG, STS, ...), so
@@ -34,16 +34,18 @@ ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "out_ptr", "idx_ptr", "u_ptr", "part_ptr",
 TABLE_TILES = tuple(dict.fromkeys((bm, bn, bg, warps) for bm, _, (bn, bg, warps, *_), _ in _TILES))  # (BM, BN, BG, warps)
 
 
-def compile_tile(tile, one_dot: bool, x_dtype: str, arch: int, prefetch: int = 0, stages: int = 1):
+def compile_tile(tile, one_dot: bool, x_dtype: str, arch: int, prefetch: int = 0, stages: int = 1,
+                 pair_unpack: bool = True):
     """The compiled kernel for one tile (BLOCK_M, BLOCK_N, BLOCK_G, num_warps)."""
     fn = _batch_kernel.fn  # under the heuristics decorator
     signature = {name: "i32" for name in fn.arg_names}
-    signature.update({"x_ptr": f"*{x_dtype}", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": f"*{x_dtype}",
+    signature.update({"x_ptr": f"*{x_dtype}", "w_ptr": "*i32", "s_ptr": "*fp16" if x_dtype == "fp16" else "*bf16", "out_ptr": f"*{x_dtype}",
                       "idx_ptr": "*i32", "u_ptr": f"*{x_dtype}", "part_ptr": "*fp32", "lock_ptr": "*i32",
                       "softcap": "fp32"})
     block_m, block_n, block_g, warps = tile
     constants = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=block_g, SPLIT_K=4, PREFETCH=prefetch, ONE_DOT=int(one_dot),
-                     EPILOGUE=0, SOFTCAP=False, ARGMAX=False, DOT_F32=x_dtype == "fp32", EVEN=True, USE_PDL=False)
+                     EPILOGUE=0, SOFTCAP=False, ARGMAX=False, DOT_F32=x_dtype == "fp32",
+                     PAIR_UNPACK=pair_unpack and x_dtype != "fp32", EVEN=True, USE_PDL=False)
     signature.update({name: "constexpr" for name in constants})
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
     source = ASTSource(fn, signature, constants, attrs)
@@ -73,8 +75,9 @@ def loop_counts(sass: str) -> collections.Counter:
     return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for text in longest)
 
 
-def describe(tile, one_dot: bool, x_dtype: str, arch: int, prefetch: int = 0, stages: int = 1) -> str:
-    kernel = compile_tile(tile, one_dot, x_dtype, arch, prefetch, stages)
+def describe(tile, one_dot: bool, x_dtype: str, arch: int, prefetch: int = 0, stages: int = 1,
+             pair_unpack: bool = True) -> str:
+    kernel = compile_tile(tile, one_dot, x_dtype, arch, prefetch, stages, pair_unpack)
     with tempfile.TemporaryDirectory() as scratch:
         cubin = os.path.join(scratch, "kernel.cubin")
         with open(cubin, "wb") as f:
@@ -98,12 +101,15 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=1, help="num_stages (Triton's software pipelining)")
     parser.add_argument("--x-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for sm_90a")
+    parser.add_argument("--fp32-unpack", action="store_true",
+                        help="unpack each weight in fp32 (PAIR_UNPACK=0) instead of two at a time in x's dtype")
     args = parser.parse_args()
-    print(f"Triton {triton.__version__}, sm_{args.arch}, x {args.x_dtype}, PREFETCH {args.prefetch}, "
-          f"num_stages {args.stages}")
+    print(f"Triton {triton.__version__}, sm_{args.arch}, x {args.x_dtype} (steps alike), PREFETCH {args.prefetch}, "
+          f"num_stages {args.stages}, {'fp32' if args.fp32_unpack else 'pair'} unpacking")
     for tile in [tuple(args.tile)] if args.tile else TABLE_TILES:
         for one_dot in (True,) if args.one_dot else (False, True):
-            print(describe(tile, one_dot, args.x_dtype, args.arch, args.prefetch, args.stages), flush=True)
+            print(describe(tile, one_dot, args.x_dtype, args.arch, args.prefetch, args.stages, not args.fp32_unpack),
+                  flush=True)
 
 
 if __name__ == "__main__":

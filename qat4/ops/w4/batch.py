@@ -43,7 +43,14 @@ covers BLOCK_G groups, BLOCK_K = 32 * BLOCK_G columns::
   elementwise function of the loaded words, so no join/reshape moves unpacked values between
   threads (the prefill GEMM's interleaving ``unpack_levels`` does) and the compiler may load the
   words straight into the dot operand's layout.
-- *Unpacking* (:func:`_nibble_times_step`): a nibble at bits 4p..4p+3 (p in 2..4) ANDed out and
+- *Unpacking*, two routes to the same weights. With 16-bit x and steps of the same dtype on a GPU
+  (:func:`unpacks_pairs`), two weights per instruction in x.dtype (:func:`_nibble_pairs`): a PRMT
+  puts the same byte of two words into the halves of a register, a LOP3 ORs the exponent of 128
+  (bf16) or 1024 (fp16) over one nibble in each half, and two packed fmas subtract magic + 8
+  (exact) and multiply by the steps (rounded once): 2 instructions per weight, and the loop of a
+  step shrinks from 353-896 to 227-638 instructions per thread at the table's tiles (Triton 3.6,
+  sm_90a, `tools/kernel_sass.py` with and without ``--fp32-unpack``). Otherwise in fp32
+  (:func:`_nibble_times_step`): a nibble at bits 4p..4p+3 (p in 2..4) ANDed out and
   ORed under the exponent of 2^(23 - 4p) reads as the float 2^(23 - 4p) + code, so
   ``fma(f, s, -(2^(23 - 4p) + 8) * s)`` is (code - 8) * s = W exactly (one rounding of an exact
   result; the bias product has at most 24 significant bits). Per weight one AND+OR (a LOP3), one
@@ -99,6 +106,7 @@ pins any of their keys.
 """
 
 import functools
+import os
 
 import torch
 
@@ -124,6 +132,48 @@ def _nibble_times_step(src, P: tl.constexpr, step, bias):
     return tl.fma(f, step, bias)
 
 
+def _pairs_asm(magic: int, one: int, minus_magic_8: int, fma: str) -> str:
+    """PTX of :func:`_nibble_pairs` for one 16-bit type, by its bit patterns: ``magic`` (the
+    exponent under which a nibble in the low mantissa bits reads as magic + code), 1.0 and
+    -(magic + 8), each twice in a 32-bit register, and its packed fma instruction."""
+    body = [".reg .b32 t0, t1, t2, t3, v, one, bias, zero;",
+            f"mov.b32 one, {one:#x};", f"mov.b32 bias, {minus_magic_8:#x};", "mov.b32 zero, 0x80008000;"]
+    for byte in range(4):  # t = (byte of word 0, the same byte of word 1) in the low bytes of each half
+        body.append(f"prmt.b32 t{byte}, $8, $9, {(0x4400 + 0x1111 * byte):#x};")
+    for nibble in range(8):
+        t = f"t{nibble // 2}"
+        if nibble % 2:
+            body.append(f"shr.b32 {t}, {t}, 4;")
+        body += [f"lop3.b32 v, {t}, 0x000f000f, {magic:#x}, 0xea;",  # (t & 0x000f000f) | magic
+                 f"{fma} v, v, one, bias;",  # code - 8, exactly
+                 f"{fma} ${nibble}, v, $10, zero;"]  # (code - 8) * step, rounded once
+    return "{\n" + "\n".join(body) + "\n}"
+
+
+_PAIR_UNPACK_BF16 = tl.constexpr(_pairs_asm(0x43004300, 0x3F803F80, 0xC308C308, "fma.rn.bf16x2"))  # magic 128
+_PAIR_UNPACK_FP16 = tl.constexpr(_pairs_asm(0x64006400, 0x3C003C00, 0xE408E408, "fma.rn.f16x2"))  # magic 1024
+
+
+@triton.jit
+def _nibble_pairs(words, steps):
+    """The eight nibble planes of int32 words [BN, T] times their steps [BN, T] (fp16 or bf16),
+    in the steps' dtype: plane i is (nibble i - 8) * step, rounded once to that dtype, as
+    :func:`_nibble_times_step` then a conversion would give. Two words per instruction: a PRMT
+    puts the same byte of both words into the two 16-bit halves of a register, a LOP3 masks a
+    nibble in each half and ORs the exponent of ``magic`` (2^7 in bf16, 2^10 in fp16, whose unit
+    in the last place is 1) over it, so each half reads as magic + code; one packed fma subtracts
+    magic + 8 (exact), another multiplies by the steps. Per 16 weights 4 PRMT, 4 shifts, 8 LOP3
+    and 16 packed fma, where the fp32 route pays a LOP3, an FMA and half a conversion per weight.
+    sm_80 or later (packed bf16 fma); not in the interpreter."""
+    dt = steps.dtype
+    if dt == tl.bfloat16:
+        return tl.inline_asm_elementwise(_PAIR_UNPACK_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, steps],
+                                         dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise(_PAIR_UNPACK_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, steps],
+                                         dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=2)
+
+
 @triton.jit
 def _plane_dot(w, xi, acc, DOT_F32: tl.constexpr):
     """acc [BN, BM] + w [BN, T] @ xi [BM, T]^T, w (fp32 weights) rounded to xi.dtype first: on
@@ -138,15 +188,46 @@ def _plane_dot(w, xi, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _tile_dot(words, steps, xt, acc, DOT_F32: tl.constexpr, ONE_DOT: tl.constexpr):
+def _interleaved_dot(n0, n1, n2, n3, n4, n5, n6, n7, xt, acc, DOT_F32: tl.constexpr):
+    """acc [BN, BM] + W @ xt^T with W [BN, 8T] the nibble planes n0..n7 [BN, T] (x.dtype)
+    interleaved back into column order by joins (which keep each value in the thread that
+    unpacked it): one dot with the x tile [BM, 8T] as loaded (ONE_DOT)."""
+    BN: tl.constexpr = n0.shape[0]
+    T: tl.constexpr = n0.shape[1]
+    even = tl.reshape(tl.join(tl.join(n0, n4), tl.join(n2, n6)), [BN, T, 4])  # columns 8j + 0, 2, 4, 6
+    odd = tl.reshape(tl.join(tl.join(n1, n5), tl.join(n3, n7)), [BN, T, 4])
+    return _plane_dot(tl.reshape(tl.join(even, odd), [BN, 8 * T]), xt, acc, DOT_F32)
+
+
+@triton.jit
+def _tile_dot(words, steps, xt, acc, DOT_F32: tl.constexpr, ONE_DOT: tl.constexpr, PAIR_UNPACK: tl.constexpr):
     """acc [BN, BM] + W_tile @ xt^T for words [BN, T] int32 (T = 4 * BLOCK_G), the steps of their
     groups [BN, T / 4] and xt [BM, 8T] (the tile's columns in order). Eight dots, one per nibble
     plane (plane i is column 8j + i of word j, matched by the i-th column of each 8 of xt), in
-    order of bit position so that each bias tensor dies early (130 rather than 160 registers at
-    64 x 256); or with ONE_DOT the planes interleaved back into column order, W [BN, 8T], and one
-    dot with xt as loaded."""
+    order of bit position so that each fp32 bias tensor dies early (130 rather than 160 registers
+    at 64 x 256); or with ONE_DOT the planes interleaved back into column order and one dot with
+    xt as loaded. PAIR_UNPACK unpacks in x.dtype two weights per instruction (:func:`_nibble_pairs`;
+    steps in x.dtype), else each weight in fp32 (:func:`_nibble_times_step`): the same weights,
+    the same dots in the same order."""
     BN: tl.constexpr = words.shape[0]
     T: tl.constexpr = words.shape[1]
+    dt = xt.dtype
+    if PAIR_UNPACK:
+        s = tl.reshape(tl.broadcast_to(steps[:, :, None], [BN, T // 4, 4]), [BN, T])
+        n0, n1, n2, n3, n4, n5, n6, n7 = _nibble_pairs(words, s)
+        if ONE_DOT:
+            acc = _interleaved_dot(n0, n1, n2, n3, n4, n5, n6, n7, xt, acc, DOT_F32)
+        else:
+            x0, x1, x2, x3, x4, x5, x6, x7 = split_last(xt, 8)
+            acc = _plane_dot(n0, x0, acc, DOT_F32)
+            acc = _plane_dot(n2, x2, acc, DOT_F32)
+            acc = _plane_dot(n5, x5, acc, DOT_F32)
+            acc = _plane_dot(n1, x1, acc, DOT_F32)
+            acc = _plane_dot(n3, x3, acc, DOT_F32)
+            acc = _plane_dot(n6, x6, acc, DOT_F32)
+            acc = _plane_dot(n4, x4, acc, DOT_F32)
+            acc = _plane_dot(n7, x7, acc, DOT_F32)
+        return acc
     s = tl.reshape(tl.broadcast_to(steps.to(tl.float32)[:, :, None], [BN, T // 4, 4]), [BN, T])
     b2 = s * -32776.0  # -(2^15 + 8) * s
     b3 = s * -2056.0  # -(2^11 + 8) * s
@@ -155,14 +236,11 @@ def _tile_dot(words, steps, xt, acc, DOT_F32: tl.constexpr, ONE_DOT: tl.constexp
     lo = w << 8  # nibbles 0, 1 at bits 8..15
     hi = w >> 12  # nibbles 5, 6, 7 at bits 8..19
     if ONE_DOT:
-        dt = xt.dtype
         n0, n1 = _nibble_times_step(lo, 2, s, b2).to(dt), _nibble_times_step(lo, 3, s, b3).to(dt)
         n2, n3 = _nibble_times_step(w, 2, s, b2).to(dt), _nibble_times_step(w, 3, s, b3).to(dt)
         n4, n5 = _nibble_times_step(w, 4, s, b4).to(dt), _nibble_times_step(hi, 2, s, b2).to(dt)
         n6, n7 = _nibble_times_step(hi, 3, s, b3).to(dt), _nibble_times_step(hi, 4, s, b4).to(dt)
-        even = tl.reshape(tl.join(tl.join(n0, n4), tl.join(n2, n6)), [BN, T, 4])  # columns 8j + 0, 2, 4, 6
-        odd = tl.reshape(tl.join(tl.join(n1, n5), tl.join(n3, n7)), [BN, T, 4])
-        acc = _plane_dot(tl.reshape(tl.join(even, odd), [BN, 8 * T]), xt, acc, DOT_F32)
+        acc = _interleaved_dot(n0, n1, n2, n3, n4, n5, n6, n7, xt, acc, DOT_F32)
     else:
         x0, x1, x2, x3, x4, x5, x6, x7 = split_last(xt, 8)
         acc = _plane_dot(_nibble_times_step(lo, 2, s, b2), x0, acc, DOT_F32)
@@ -226,7 +304,8 @@ def _batch_kernel(
     M, N, G, stride_xm, stride_om, stride_um, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr,
     PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, EPILOGUE: tl.constexpr, SOFTCAP: tl.constexpr,
-    ARGMAX: tl.constexpr, DOT_F32: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr,
+    ARGMAX: tl.constexpr, DOT_F32: tl.constexpr, PAIR_UNPACK: tl.constexpr, EVEN: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out = epilogue(x [M, K] @ W.T) for a few rows of x; K = 32 * G.
 
@@ -274,16 +353,16 @@ def _batch_kernel(
         # the MMA operand's layout while still packed; the first step is peeled so that its
         # weights are loaded before the wait
         xt = _x_tile(x_ptr, x_off, x_rows_ok, kx, g_begin, g_end, EVEN)
-        acc = _tile_dot(words, steps, xt, acc, DOT_F32, ONE_DOT)
+        acc = _tile_dot(words, steps, xt, acc, DOT_F32, ONE_DOT, PAIR_UNPACK)
         for g0 in range(g_begin + BLOCK_G, g_end, BLOCK_G):
             words, steps = _tile_loads(w_ptr, s_ptr, w_off, s_off, rows_ok, kw, g0, g_end, EVEN)
             xt = _x_tile(x_ptr, x_off, x_rows_ok, kx, g0, g_end, EVEN)
-            acc = _tile_dot(words, steps, xt, acc, DOT_F32, ONE_DOT)
+            acc = _tile_dot(words, steps, xt, acc, DOT_F32, ONE_DOT, PAIR_UNPACK)
     else:
         for g0 in range(g_begin, g_end, BLOCK_G):
             xt = _x_tile(x_ptr, x_off, x_rows_ok, kx, g0, g_end, EVEN)
             nxt_w, nxt_s = _tile_loads(w_ptr, s_ptr, w_off, s_off, rows_ok, kw, g0 + PREFETCH * BLOCK_G, g_end, EVEN)
-            acc = _tile_dot(words, steps, xt, acc, DOT_F32, ONE_DOT)
+            acc = _tile_dot(words, steps, xt, acc, DOT_F32, ONE_DOT, PAIR_UNPACK)
             if PREFETCH == 2:
                 words, steps = words1, steps1
                 words1, steps1 = nxt_w, nxt_s
@@ -322,6 +401,21 @@ def batch_scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty(BATCH_PARTIALS, dtype=torch.float32, device=device))
 
 
+@functools.lru_cache(maxsize=None)
+def _packed_bf16_fma(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 8
+
+
+def unpacks_pairs(x: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether :func:`_batch_kernel` unpacks two weights per instruction in x.dtype (PAIR_UNPACK,
+    :func:`_nibble_pairs`): fp16 or bf16 x with steps of the same dtype, on a CUDA GPU of compute
+    capability 8.0 or later, outside the interpreter, unless ``QAT4_PAIR_UNPACK=0`` (then each
+    weight is unpacked in fp32: the same weights and sums, for timing the two against each other)."""
+    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and scales.dtype == x.dtype
+            and not interpreting() and os.environ.get("QAT4_PAIR_UNPACK", "1") != "0"
+            and _packed_bf16_fma(x.device.index or 0))
+
+
 def _launch(x, packed, scales, out, *, epilogue=PLAIN, up=None, softcap=None, idx=None, argmax=False, config=None,
             tiling=None) -> dict:
     """One :func:`_batch_kernel` launch (see its docstring for what each argument feeds); returns
@@ -340,7 +434,7 @@ def _launch(x, packed, scales, out, *, epilogue=PLAIN, up=None, softcap=None, id
         BLOCK_M=tiling["BLOCK_M"], BLOCK_N=tiling["BLOCK_N"], BLOCK_G=tiling["BLOCK_G"], SPLIT_K=tiling["SPLIT_K"],
         PREFETCH=tiling["PREFETCH"], ONE_DOT=tiling["ONE_DOT"], EPILOGUE=int(epilogue), SOFTCAP=softcap is not None,
         ARGMAX=argmax,
-        DOT_F32=dot_f32, num_warps=tiling["num_warps"], num_stages=tiling["num_stages"],
+        DOT_F32=dot_f32, PAIR_UNPACK=unpacks_pairs(x, scales), num_warps=tiling["num_warps"], num_stages=tiling["num_stages"],
         **pdl_launch(x, m),
     )
     return tiling
