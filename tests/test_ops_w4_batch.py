@@ -195,6 +195,10 @@ def test_tiling_table_fills_an_h200_at_every_decode_shape(m):
         assert all(bt._fits(n, m, c) for c in candidates)
         assert candidates[1] == dict(tiling, ONE_DOT=1 - tiling["ONE_DOT"])  # timed beside the table's
         assert tiling["ONE_DOT"] == (tiling["BLOCK_M"] == 16 and g <= tiling["BLOCK_G"])  # one step: one dot
+        assert candidates[2] == dict(tiling, PAIR_UNPACK=1 - tiling["PAIR_UNPACK"])
+        steps = -(-(-(-g // tiling["SPLIT_K"])) // tiling["BLOCK_G"])
+        # pairs where they measured faster: 4 groups a step, or one step of a 16-row tile
+        assert tiling["PAIR_UNPACK"] == (tiling["BLOCK_G"] == 4 or (tiling["BLOCK_M"] == 16 and steps == 1))
 
 
 def test_tiling_splits_the_long_down_projection():
@@ -210,8 +214,10 @@ def test_config_pins_keys_and_bad_tilings_are_rejected():
     assert pinned["ONE_DOT"] == 1  # K = 256 is one step of the table's 8 groups
     assert bt.resolve_tiling({"BLOCK_G": 4}, 64, 256, 3, "cpu")["ONE_DOT"] == 0  # two steps: eight dots
     assert bt.resolve_tiling({"BLOCK_G": 4, "ONE_DOT": 1}, 64, 256, 3, "cpu")["ONE_DOT"] == 1
+    assert bt.resolve_tiling({"BLOCK_G": 4}, 64, 256, 3, "cpu")["PAIR_UNPACK"] == 1  # the rule, for the tile pinned
+    assert bt.resolve_tiling({"BLOCK_G": 4, "PAIR_UNPACK": 0}, 64, 256, 3, "cpu")["PAIR_UNPACK"] == 0
     for bad in ({"BLOCK_G": 2}, {"BLOCK_N": 48}, {"BLOCK_M": 8}, {"PREFETCH": 3}, {"SPLIT_K": 0}, {"RR": 4},
-                {"num_stages": 0}, {"ONE_DOT": 2}):
+                {"num_stages": 0}, {"ONE_DOT": 2}, {"PAIR_UNPACK": 2}):
         with pytest.raises(ValueError):
             bt.resolve_tiling(bad, 64, 256, 3, "cpu")
     with pytest.raises(ValueError, match="scratch"):

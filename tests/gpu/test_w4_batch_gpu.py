@@ -102,31 +102,23 @@ def test_every_candidate_tiling_is_right(m):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_pair_unpacking_matches_the_fp32_route_bit_for_bit(dtype, monkeypatch):
+def test_pair_unpacking_matches_the_fp32_route_bit_for_bit(dtype):
     """Unpacked two at a time in x.dtype, the weights are the fp32 route's rounded once to
     x.dtype, and the same dots sum them in the same order: every output is the same bit for bit,
     with eight dots and with one, plain, gated and at the output layer."""
-    cases = [((2560, 1536), m, config) for m in (4, 16, 64) for config in (None, {"ONE_DOT": 1})]
-    cases += [((1536, 12288), 16, None), ((12288, 1536), 64, {"PREFETCH": 1})]
-
-    def both(run):
-        monkeypatch.delenv("QAT4_PAIR_UNPACK", raising=False)
-        pairs = run()
-        monkeypatch.setenv("QAT4_PAIR_UNPACK", "0")
-        fp32 = run()
-        monkeypatch.delenv("QAT4_PAIR_UNPACK")
-        return pairs, fp32
-
+    cases = [((2560, 1536), m, config) for m in (4, 16, 64) for config in ({}, {"ONE_DOT": 1})]
+    cases += [((1536, 12288), 16, {}), ((12288, 1536), 64, {"PREFETCH": 1})]
+    both = lambda run, config: (run(dict(config, PAIR_UNPACK=1)), run(dict(config, PAIR_UNPACK=0)))  # noqa: E731
     for (n, k), m, config in cases:
         packed, scales = random_weight(n, k, dtype, seed=m)
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         assert wb.unpacks_pairs(x, scales)
-        pairs, fp32 = both(lambda: wb.w4_batch_linear(x, packed, scales, config=config))
+        pairs, fp32 = both(lambda c: wb.w4_batch_linear(x, packed, scales, config=c), config)
         assert torch.equal(pairs, fp32), (n, k, m, config)
         assert rel_err(pairs, wr.w4_linear_reference(x, packed, scales)) < TOL[dtype]
     packed, scales = random_weight(12288, 1536, dtype)
     x = torch.randn(16, 1536, device="cuda", dtype=dtype) * 4
-    assert torch.equal(*both(lambda: wb.w4_batch_linear_gelu(x, packed, scales)))
+    assert torch.equal(*both(lambda c: wb.w4_batch_linear_gelu(x, packed, scales, config=c), {}))
     packed, scales = random_weight(VOCAB, HIDDEN, dtype)
-    assert torch.equal(*both(lambda: wb.w4_batch_logits(x, packed, scales)))
-    assert torch.equal(*both(lambda: wb.w4_batch_argmax(x, packed, scales)))
+    assert torch.equal(*both(lambda c: wb.w4_batch_logits(x, packed, scales, config=c), {}))
+    assert torch.equal(*both(lambda c: wb.w4_batch_argmax(x, packed, scales, config=c), {}))

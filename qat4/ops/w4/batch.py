@@ -44,7 +44,8 @@ covers BLOCK_G groups, BLOCK_K = 32 * BLOCK_G columns::
   threads (the prefill GEMM's interleaving ``unpack_levels`` does) and the compiler may load the
   words straight into the dot operand's layout.
 - *Unpacking*, two routes to the same weights. With 16-bit x and steps of the same dtype on a GPU
-  (:func:`unpacks_pairs`), two weights per instruction in x.dtype (:func:`_nibble_pairs`): a PRMT
+  (:func:`unpacks_pairs`) and PAIR_UNPACK in the tiling (where the table's rule measured it faster,
+  :mod:`qat4.ops.w4.batch_tiling`), two weights per instruction in x.dtype (:func:`_nibble_pairs`): a PRMT
   puts the same byte of two words into the halves of a register, a LOP3 ORs the exponent of 128
   (bf16) or 1024 (fp16) over one nibble in each half, and two packed fmas subtract magic + 8
   (exact) and multiply by the steps (rounded once): 2 instructions per weight, and the loop of a
@@ -407,10 +408,11 @@ def _packed_bf16_fma(index: int) -> bool:
 
 
 def unpacks_pairs(x: torch.Tensor, scales: torch.Tensor) -> bool:
-    """Whether :func:`_batch_kernel` unpacks two weights per instruction in x.dtype (PAIR_UNPACK,
-    :func:`_nibble_pairs`): fp16 or bf16 x with steps of the same dtype, on a CUDA GPU of compute
-    capability 8.0 or later, outside the interpreter, unless ``QAT4_PAIR_UNPACK=0`` (then each
-    weight is unpacked in fp32: the same weights and sums, for timing the two against each other)."""
+    """Whether :func:`_batch_kernel` can unpack two weights per instruction in x.dtype
+    (:func:`_nibble_pairs`), which it does where the tiling's PAIR_UNPACK says so: fp16 or bf16 x
+    with steps of the same dtype, on a CUDA GPU of compute capability 8.0 or later, outside the
+    interpreter, unless ``QAT4_PAIR_UNPACK=0`` (then each weight is unpacked in fp32: the same
+    weights and sums, for timing the two against each other)."""
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and scales.dtype == x.dtype
             and not interpreting() and os.environ.get("QAT4_PAIR_UNPACK", "1") != "0"
             and _packed_bf16_fma(x.device.index or 0))
@@ -434,7 +436,7 @@ def _launch(x, packed, scales, out, *, epilogue=PLAIN, up=None, softcap=None, id
         BLOCK_M=tiling["BLOCK_M"], BLOCK_N=tiling["BLOCK_N"], BLOCK_G=tiling["BLOCK_G"], SPLIT_K=tiling["SPLIT_K"],
         PREFETCH=tiling["PREFETCH"], ONE_DOT=tiling["ONE_DOT"], EPILOGUE=int(epilogue), SOFTCAP=softcap is not None,
         ARGMAX=argmax,
-        DOT_F32=dot_f32, PAIR_UNPACK=unpacks_pairs(x, scales), num_warps=tiling["num_warps"], num_stages=tiling["num_stages"],
+        DOT_F32=dot_f32, PAIR_UNPACK=bool(tiling["PAIR_UNPACK"]) and unpacks_pairs(x, scales), num_warps=tiling["num_warps"], num_stages=tiling["num_stages"],
         **pdl_launch(x, m),
     )
     return tiling

@@ -12,7 +12,8 @@ import torch
 from qat4.ops._triton import triton
 from qat4.ops.w4.common import sm_count
 
-TILING_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_G", "SPLIT_K", "PREFETCH", "ONE_DOT", "num_warps", "num_stages")
+TILING_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_G", "SPLIT_K", "PREFETCH", "ONE_DOT", "PAIR_UNPACK", "num_warps",
+               "num_stages")
 _MAX_SPLIT = 16  # the last program of a tile adds this many partials at most (unrolled)
 BATCH_SLOTS = 1 << 12  # split-K ticket counters per device (row blocks of W x row blocks of x)
 BATCH_PARTIALS = 1 << 22  # split-K fp32 partial sums per device (16 MiB)
@@ -123,6 +124,22 @@ def _one_dot(block_m: int, block_g: int, k: int) -> int:
     return int(block_m == 16 and k // 32 <= block_g)
 
 
+def _pair_unpack(block_m: int, block_g: int, steps: int) -> int:
+    """PAIR_UNPACK for a tile whose programs each run `steps` steps: two weights per instruction
+    in x.dtype (where :func:`~qat4.ops.w4.batch.unpacks_pairs` allows it) for tiles of 4 groups a
+    step, and for 16-row tiles of one step; each weight in fp32 otherwise. Timed both ways on an
+    H100 (`tools/bench_w4.py --rows R` with and without ``QAT4_PAIR_UNPACK=0``, BENCHMARKS.md),
+    pairs took the output layer from 137.7 to 123.3 µs at 4 rows and from 303.9 to 273.5 at 64,
+    24,576 x 1,536 from 35.4 to 30.6 at 64 rows and one-step 16-row products 1-10 % less, but
+    64-row tiles of 8 groups 3-11 % more and 16-row programs of 2-3 steps 3-9 % more."""
+    return int(block_g == 4 or (block_m == 16 and steps == 1))
+
+
+def _steps(g: int, tiling: dict) -> int:
+    """Steps of BLOCK_G groups each program of a tiling runs over G groups."""
+    return triton.cdiv(triton.cdiv(g, tiling["SPLIT_K"]), tiling["BLOCK_G"])
+
+
 def batch_tiling(n: int, k: int, m: int, device=None, *, sm_count: int | None = None) -> dict:
     """The table's tiling (keys :data:`TILING_KEYS`) for W [n, k] and m rows of x on `device`
     (its SM count sets the split; `sm_count` overrides it; no device: one SM)."""
@@ -131,15 +148,16 @@ def batch_tiling(n: int, k: int, m: int, device=None, *, sm_count: int | None = 
     tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_G": block_g, "PREFETCH": prefetch,
             "ONE_DOT": _one_dot(block_m, block_g, k), "num_warps": warps, "num_stages": stages}
     sms = sm_count if sm_count is not None else _sms(device)
-    return dict(tile, SPLIT_K=_split_for(n, k // 32, m, tile, sms))
+    tiling = dict(tile, SPLIT_K=_split_for(n, k // 32, m, tile, sms))
+    return dict(tiling, PAIR_UNPACK=_pair_unpack(block_m, block_g, _steps(k // 32, tiling)))
 
 
 def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: int | None = None) -> list[dict]:
     """Tilings worth timing for one shape (tools/bench_w4.py --sweep): the table's; its tile with
-    the other ONE_DOT (one dot a step or eight), then both ways with every PREFETCH and
-    num_stages; its tile with every whole-step split; and the other tiles of 8-16 words and at
-    most 64 sums per thread, with the split rule's split. The table's comes first, its ONE_DOT
-    twin second."""
+    the other ONE_DOT (one dot a step or eight), its tile with the other PAIR_UNPACK, then both
+    ONE_DOT ways with every PREFETCH and num_stages; its tile with every whole-step split; and the
+    other tiles of 8-16 words and at most 64 sums per thread, with the split rule's split. The
+    table's comes first, its ONE_DOT twin second and its PAIR_UNPACK twin third."""
     sms = sm_count if sm_count is not None else _sms(device)
     g = k // 32
     base = batch_tiling(n, k, m, sm_count=sms)
@@ -149,6 +167,8 @@ def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: in
         if tiling not in out and _fits(n, m, tiling):
             out.append(tiling)
 
+    add(dict(base, ONE_DOT=1 - base["ONE_DOT"]))
+    add(dict(base, PAIR_UNPACK=1 - base["PAIR_UNPACK"]))
     for one_dot in (1 - base["ONE_DOT"], base["ONE_DOT"]):
         for prefetch in (0, 1, 2):
             for stages in (1, 2, 3):
@@ -164,7 +184,8 @@ def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: in
                     continue
                 tile = dict(base, BLOCK_N=block_n, BLOCK_G=block_g, num_warps=warps,
                             ONE_DOT=_one_dot(block_m, block_g, k))
-                add(dict(tile, SPLIT_K=_split_for(n, g, m, tile, sms)))
+                tile = dict(tile, SPLIT_K=_split_for(n, g, m, tile, sms))
+                add(dict(tile, PAIR_UNPACK=_pair_unpack(block_m, block_g, _steps(g, tile))))
     return out
 
 
@@ -181,7 +202,8 @@ def _table_tiling(n: int, k: int, m: int, sms: int) -> dict:
 def resolve_tiling(config: dict | None, n: int, k: int, m: int, device) -> dict:
     """The table's tiling with the keys `config` pins, checked; a pinned tile without a pinned
     SPLIT_K gets the split rule's split for that tile, and without a pinned ONE_DOT the table's
-    rule for it. Without `config`, the shared table tiling."""
+    rule for it, and without a pinned PAIR_UNPACK the table's rule for the tiling as pinned.
+    Without `config`, the shared table tiling."""
     if not config:
         return _table_tiling(n, k, m, _sms(device))
     tiling = dict(_table_tiling(n, k, m, _sms(device)))
@@ -194,12 +216,14 @@ def resolve_tiling(config: dict | None, n: int, k: int, m: int, device) -> dict:
     pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
     if not (pow2(tiling["BLOCK_M"]) and tiling["BLOCK_M"] >= 16 and pow2(tiling["BLOCK_N"]) and tiling["BLOCK_N"] >= 16
             and pow2(tiling["BLOCK_G"]) and tiling["BLOCK_G"] >= 4 and tiling["PREFETCH"] in (0, 1, 2)
-            and tiling["ONE_DOT"] in (0, 1)
+            and tiling["ONE_DOT"] in (0, 1) and tiling["PAIR_UNPACK"] in (0, 1)
             and tiling["SPLIT_K"] >= 1 and pow2(tiling["num_warps"]) and tiling["num_stages"] >= 1):
         raise ValueError(f"a batch tiling needs BLOCK_M, BLOCK_N >= 16 and BLOCK_G >= 4 (tl.dot's 16) as powers of two, "
-                         f"PREFETCH 0, 1 or 2, ONE_DOT 0 or 1, SPLIT_K >= 1; got {tiling}")
+                         f"PREFETCH 0, 1 or 2, ONE_DOT and PAIR_UNPACK 0 or 1, SPLIT_K >= 1; got {tiling}")
     if "SPLIT_K" not in config and any(key in config for key in ("BLOCK_N", "BLOCK_G", "BLOCK_M", "num_warps")):
         tiling["SPLIT_K"] = _split_for(n, k // 32, m, tiling, _sms(device))
+    if "PAIR_UNPACK" not in config:  # the table's rule for the tiling as pinned
+        tiling["PAIR_UNPACK"] = _pair_unpack(tiling["BLOCK_M"], tiling["BLOCK_G"], _steps(k // 32, tiling))
     if not _fits(n, m, tiling):
         raise ValueError(f"split-K scratch too small for {tiling} at N={n}, M={m}")
     return tiling
