@@ -196,7 +196,7 @@ def test_tiling_table_fills_an_h200_at_every_decode_shape(m):
         assert candidates[1] == dict(tiling, ONE_DOT=1 - tiling["ONE_DOT"])  # timed beside the table's
         assert tiling["ONE_DOT"] == (tiling["BLOCK_M"] == 16 and g <= tiling["BLOCK_G"])  # one step: one dot
         assert candidates[2] == dict(tiling, PAIR_UNPACK=1 - tiling["PAIR_UNPACK"])
-        steps = -(-(-(-g // tiling["SPLIT_K"])) // tiling["BLOCK_G"])
+        steps = -(-(-(-g // tiling["SPLIT_K"])) // tiling["BLOCK_G"])  # of each program
         # pairs where they measured faster: 4 groups a step, or one step of a 16-row tile
         assert tiling["PAIR_UNPACK"] == (tiling["BLOCK_G"] == 4 or (tiling["BLOCK_M"] == 16 and steps == 1))
 
@@ -311,7 +311,7 @@ def test_pair_unpacking_ptx_gives_the_reference_weights(dtype):
 def test_pair_unpacking_needs_16_bit_x_with_steps_alike_on_a_gpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("QAT4_PAIR_UNPACK", raising=False)
-    monkeypatch.setattr(wb, "_packed_bf16_fma", lambda index: True)
+    monkeypatch.setattr(wb, "_has_packed_half_fma", lambda index: True)
     on_gpu = lambda dtype: types.SimpleNamespace(is_cuda=True, dtype=dtype, device=torch.device("cuda", 0))  # noqa: E731
     steps = lambda dtype: types.SimpleNamespace(dtype=dtype)  # noqa: E731
     assert wb.unpacks_pairs(on_gpu(BF16), steps(BF16)) and wb.unpacks_pairs(on_gpu(F16), steps(F16))
@@ -323,6 +323,6 @@ def test_pair_unpacking_needs_16_bit_x_with_steps_alike_on_a_gpu(monkeypatch):
     monkeypatch.delenv("QAT4_PAIR_UNPACK")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not wb.unpacks_pairs(on_gpu(BF16), steps(BF16))
-    monkeypatch.setattr(wb, "_packed_bf16_fma", lambda index: False)  # before sm_80
+    monkeypatch.setattr(wb, "_has_packed_half_fma", lambda index: False)  # before sm_80
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not wb.unpacks_pairs(on_gpu(BF16), steps(BF16))

@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--fp32-unpack", action="store_true",
                         help="unpack each weight in fp32 (PAIR_UNPACK=0) instead of two at a time in x's dtype")
     args = parser.parse_args()
-    print(f"Triton {triton.__version__}, sm_{args.arch}, x {args.x_dtype} (steps alike), PREFETCH {args.prefetch}, "
+    print(f"Triton {triton.__version__}, sm_{args.arch}, x {args.x_dtype} (steps {'bf16' if args.x_dtype == 'fp32' else args.x_dtype}), PREFETCH {args.prefetch}, "
           f"num_stages {args.stages}, {'fp32' if args.fp32_unpack else 'pair'} unpacking")
     for tile in [tuple(args.tile)] if args.tile else TABLE_TILES:
         for one_dot in (True,) if args.one_dot else (False, True):

@@ -82,7 +82,7 @@ covers BLOCK_G groups, BLOCK_K = 32 * BLOCK_G columns::
 - *One dot per step* (ONE_DOT): the eight planes interleaved back into column order with joins
   (which keep each value in the thread that unpacked it) and one dot of K = 32 * BLOCK_G with the
   x tile as loaded, instead of eight dots of K = 4 * BLOCK_G on the eight column planes of x.
-  Compiled offline for sm_90a by Triton 3.6 (`tools/kernel_sass.py`), the eight dots are eight
+  Compiled offline for sm_90a by Triton 3.6 (`tools/kernel_sass.py --fp32-unpack`), the eight dots are eight
   wgmma launches each behind its own store of an x plane to shared memory, fence and wait (16
   warpgroup arrive/waits, 8 fences per step), and one dot is one launch and one wait; the loop
   shrinks from 353-393 to 312-321 instructions per thread and step at the table's tiles, while the
@@ -139,7 +139,7 @@ def _pairs_asm(magic: int, one: int, minus_magic_8: int, fma: str) -> str:
     -(magic + 8), each twice in a 32-bit register, and its packed fma instruction."""
     body = [".reg .b32 t0, t1, t2, t3, v, one, bias, zero;",
             f"mov.b32 one, {one:#x};", f"mov.b32 bias, {minus_magic_8:#x};", "mov.b32 zero, 0x80008000;"]
-    for byte in range(4):  # t = (byte of word 0, the same byte of word 1) in the low bytes of each half
+    for byte in range(4):  # t: that byte of word 0 in both bytes of the low half, of word 1 in the high half
         body.append(f"prmt.b32 t{byte}, $8, $9, {(0x4400 + 0x1111 * byte):#x};")
     for nibble in range(8):
         t = f"t{nibble // 2}"
@@ -159,7 +159,8 @@ _PAIR_UNPACK_FP16 = tl.constexpr(_pairs_asm(0x64006400, 0x3C003C00, 0xE408E408, 
 def _nibble_pairs(words, steps):
     """The eight nibble planes of int32 words [BN, T] times their steps [BN, T] (fp16 or bf16),
     in the steps' dtype: plane i is (nibble i - 8) * step, rounded once to that dtype, as
-    :func:`_nibble_times_step` then a conversion would give. Two words per instruction: a PRMT
+    :func:`_nibble_times_step` then a conversion would give (except that a zero weight may be -0,
+    which leaves every sum as it is). Two words per instruction: a PRMT
     puts the same byte of both words into the two 16-bit halves of a register, a LOP3 masks a
     nibble in each half and ORs the exponent of ``magic`` (2^7 in bf16, 2^10 in fp16, whose unit
     in the last place is 1) over it, so each half reads as magic + code; one packed fma subtracts
@@ -177,7 +178,7 @@ def _nibble_pairs(words, steps):
 
 @triton.jit
 def _plane_dot(w, xi, acc, DOT_F32: tl.constexpr):
-    """acc [BN, BM] + w [BN, T] @ xi [BM, T]^T, w (fp32 weights) rounded to xi.dtype first: on
+    """acc [BN, BM] + w [BN, T] @ xi [BM, T]^T, w (weights in fp32 or already in xi.dtype) in xi.dtype: on
     tensor cores in xi.dtype, or with DOT_F32 in fp32 (fp32 x; bf16 under the interpreter, whose
     dot cannot take bf16, on the same rounded values)."""
     w = w.to(xi.dtype)
@@ -403,7 +404,7 @@ def batch_scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.lru_cache(maxsize=None)
-def _packed_bf16_fma(index: int) -> bool:
+def _has_packed_half_fma(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 8
 
 
@@ -415,7 +416,7 @@ def unpacks_pairs(x: torch.Tensor, scales: torch.Tensor) -> bool:
     weights and sums, for timing the two against each other)."""
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and scales.dtype == x.dtype
             and not interpreting() and os.environ.get("QAT4_PAIR_UNPACK", "1") != "0"
-            and _packed_bf16_fma(x.device.index or 0))
+            and _has_packed_half_fma(x.device.index or 0))
 
 
 def _launch(x, packed, scales, out, *, epilogue=PLAIN, up=None, softcap=None, idx=None, argmax=False, config=None,
@@ -435,8 +436,8 @@ def _launch(x, packed, scales, out, *, epilogue=PLAIN, up=None, softcap=None, id
         1.0 if softcap is None else float(softcap),
         BLOCK_M=tiling["BLOCK_M"], BLOCK_N=tiling["BLOCK_N"], BLOCK_G=tiling["BLOCK_G"], SPLIT_K=tiling["SPLIT_K"],
         PREFETCH=tiling["PREFETCH"], ONE_DOT=tiling["ONE_DOT"], EPILOGUE=int(epilogue), SOFTCAP=softcap is not None,
-        ARGMAX=argmax,
-        DOT_F32=dot_f32, PAIR_UNPACK=bool(tiling["PAIR_UNPACK"]) and unpacks_pairs(x, scales), num_warps=tiling["num_warps"], num_stages=tiling["num_stages"],
+        ARGMAX=argmax, DOT_F32=dot_f32, PAIR_UNPACK=bool(tiling["PAIR_UNPACK"]) and unpacks_pairs(x, scales),
+        num_warps=tiling["num_warps"], num_stages=tiling["num_stages"],
         **pdl_launch(x, m),
     )
     return tiling

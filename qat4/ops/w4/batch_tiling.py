@@ -128,10 +128,11 @@ def _pair_unpack(block_m: int, block_g: int, steps: int) -> int:
     """PAIR_UNPACK for a tile whose programs each run `steps` steps: two weights per instruction
     in x.dtype (where :func:`~qat4.ops.w4.batch.unpacks_pairs` allows it) for tiles of 4 groups a
     step, and for 16-row tiles of one step; each weight in fp32 otherwise. Timed both ways on an
-    H100 (`tools/bench_w4.py --rows R` with and without ``QAT4_PAIR_UNPACK=0``, BENCHMARKS.md),
-    pairs took the output layer from 137.7 to 123.3 µs at 4 rows and from 303.9 to 273.5 at 64,
-    24,576 x 1,536 from 35.4 to 30.6 at 64 rows and one-step 16-row products 1-10 % less, but
-    64-row tiles of 8 groups 3-11 % more and 16-row programs of 2-3 steps 3-9 % more."""
+    H100 with bf16 steps (`tools/bench_w4.py --rows R` with and without ``QAT4_PAIR_UNPACK=0``,
+    BENCHMARKS.md, 2026-12-07), pairs took the output layer from 137.7 to 123.3 µs at 4 rows and
+    from 303.9 to 273.5 at 64, 24,576 x 1,536 from 35.4 to 30.6 at 64 rows and one-step 16-row
+    products 1-10 % less, but 64-row tiles of 8 groups 3-11 % more and 16-row programs of 2-3
+    steps 3-9 % more."""
     return int(block_g == 4 or (block_m == 16 and steps == 1))
 
 
@@ -174,7 +175,8 @@ def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: in
             for stages in (1, 2, 3):
                 add(dict(base, num_stages=stages, PREFETCH=prefetch, ONE_DOT=one_dot))
     for split in _even_splits(g, base["BLOCK_G"]):
-        add(dict(base, SPLIT_K=split))
+        split_tiling = dict(base, SPLIT_K=split)
+        add(dict(split_tiling, PAIR_UNPACK=_pair_unpack(base["BLOCK_M"], base["BLOCK_G"], _steps(g, split_tiling))))
     block_m = base["BLOCK_M"]
     for block_n in (64, 128, 256):
         for block_g in (4, 8):
