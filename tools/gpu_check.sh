@@ -4,7 +4,7 @@
 # ./out). Compiled kernels stay in $TRITON_CACHE_DIR (default /tmp/qat4_triton_cache); the cache
 # also leaves as $OUT/triton_cache.tar.xz.NN (15 MiB parts), and parts found in .triton_cache/ are
 # unpacked into it first, so a fresh machine starts with the kernels an earlier one compiled.
-#   usage: tools/gpu_check.sh STEP...   steps: kernels sweep tests bench cap tune serve load overhead turns eval spec specstep mtp grammar profile attention all
+#   usage: tools/gpu_check.sh STEP...   steps: kernels sweep tests bench cap tune serve load overhead turns eval spec specstep mtp grammar profile attention ab all
 #     kernels  the int4 kernels at E2B decode shapes: GEMV, decode-batch kernel and GEMM at 2, 16, 64 rows;
 #              the batch kernel again with one dot a step (ONE_DOT) at 16 and 64
 #     sweep    every decode-batch tiling at 4, 16 and 64 rows (tools/bench_w4.py --sweep)
@@ -29,6 +29,9 @@
 #     profile  tools/profile_step.py at 1 and 64 sequences ($PROFILE_BATCHES), and a prompt chunk of $PROFILE_CHUNK (512)
 #     attention the paged attention kernel's decode at 1, 4, 16, 64 sequences over 512 to 131,072 keys
 #              (tools/bench_attention.py)
+#     ab       the decode step at $AB_BATCH sequences (default 1,4,16,64; 512 tokens held each) as the tree is
+#              and under the setting $AB_SETTING (e.g. QAT4_PAIR_UNPACK=0), alternating, $AB_RUNS rounds (default 2):
+#              two ways of one tree timed on one machine
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; LOGS=${LOGS:-/tmp/qat4_logs}; mkdir -p "$OUT" "$LOGS"
@@ -142,6 +145,20 @@ if want profile; then
             >"$LOGS/profile_step_$batch.log" 2>&1
         grep -v Warning "$LOGS/profile_step_$batch.log" | grep -v "^  (" | head -60
     done
+fi
+if want ab; then
+    if [ -z "${AB_SETTING:-}" ]; then
+        echo "ab: name the setting to time against, e.g. AB_SETTING=QAT4_PAIR_UNPACK=0"
+    else
+        for round in $(seq ${AB_RUNS:-2}); do
+            for setting in "" "$AB_SETTING"; do
+                echo "== round $round, ${setting:-as the tree is}: batch, context, decode tok/s, ms a step"
+                env $setting timeout 200 python3 -m qat4.cli bench "${E2B[@]}" --depths 0 --new 128 --prompt 512 \
+                    --batch ${AB_BATCH:-1,4,16,64} --batch-context 512 2>&1 | tee -a "$LOGS/ab.log" \
+                    | grep -E "^ +[0-9]+ +[0-9]+ +[0-9,.]+ +[0-9.]+$"
+            done
+        done
+    fi
 fi
 if want attention; then
     timeout ${ATTENTION_TIMEOUT:-300} python3 tools/bench_attention.py --only decode --batch 1,4,16,64 \
