@@ -25,8 +25,12 @@ BATCH_PARTIALS = 1 << 22  # split-K fp32 partial sums per device (16 MiB)
 # slice of x from L2, 3.6 * BLOCK_M / BLOCK_N times the weight bytes in all, so wide W (where row
 # blocks are plenty) takes wide blocks, and narrow W the tiles that an SM holds most bytes of at
 # once. Loads in the unpacking step (PREFETCH=0, num_stages=1, see :mod:`qat4.ops.w4.batch`). The
-# last field is the registers per thread of Triton 3.6's sm_90a code (no spills), which sets how
-# many programs an SM holds (:func:`_programs_per_sm`): 3, 4, 3, 2, 2, 1, 1; BLOCK_G = 8 costs
+# last field is the registers per thread of Triton 3.6's sm_90a code (no spills; eight dots, each
+# weight unpacked in fp32, as when these splits were timed), which sets how many programs an SM
+# holds (:func:`_programs_per_sm`): 3, 4, 3, 2, 2, 1, 1. Compiled on 2026-12-07 the tiles took
+# 130 / 69 / 162 / 98 / 210 / 128 / 186 that way and 127 / 64 / 128 / 80 / 208 / 128 / 186 with pair
+# unpacking (`tools/kernel_sass.py`), so the 32-row tiles would hold one program more per SM with
+# pairs; the column stays as timed until the splits are timed again that way. BLOCK_G = 8 costs
 # 130-210 registers, and up to 255 with more than 16 words per thread. At 64 rows the 64-wide tile
 # took less time than the 128-wide one at every shape of E2B narrower than 8,192 rows, up to 43 %
 # less (`tools/bench_w4.py --rows 64 --batch-config`, BENCHMARKS.md); wider W there goes to the
