@@ -39,7 +39,8 @@ def compile_tile(tile, one_dot: bool, x_dtype: str, arch: int, prefetch: int = 0
     """The compiled kernel for one tile (BLOCK_M, BLOCK_N, BLOCK_G, num_warps)."""
     fn = _batch_kernel.fn  # under the heuristics decorator
     signature = {name: "i32" for name in fn.arg_names}
-    signature.update({"x_ptr": f"*{x_dtype}", "w_ptr": "*i32", "s_ptr": "*fp16" if x_dtype == "fp16" else "*bf16", "out_ptr": f"*{x_dtype}",
+    steps_dtype = "fp16" if x_dtype == "fp16" else "bf16"  # the steps in x's dtype, fp32 x aside
+    signature.update({"x_ptr": f"*{x_dtype}", "w_ptr": "*i32", "s_ptr": f"*{steps_dtype}", "out_ptr": f"*{x_dtype}",
                       "idx_ptr": "*i32", "u_ptr": f"*{x_dtype}", "part_ptr": "*fp32", "lock_ptr": "*i32",
                       "softcap": "fp32"})
     block_m, block_n, block_g, warps = tile
@@ -104,7 +105,8 @@ def main() -> None:
     parser.add_argument("--fp32-unpack", action="store_true",
                         help="unpack each weight in fp32 (PAIR_UNPACK=0) instead of two at a time in x's dtype")
     args = parser.parse_args()
-    print(f"Triton {triton.__version__}, sm_{args.arch}, x {args.x_dtype} (steps {'bf16' if args.x_dtype == 'fp32' else args.x_dtype}), PREFETCH {args.prefetch}, "
+    steps = "bf16" if args.x_dtype == "fp32" else args.x_dtype
+    print(f"Triton {triton.__version__}, sm_{args.arch}, x {args.x_dtype} (steps {steps}), PREFETCH {args.prefetch}, "
           f"num_stages {args.stages}, {'fp32' if args.fp32_unpack else 'pair'} unpacking")
     for tile in [tuple(args.tile)] if args.tile else TABLE_TILES:
         for one_dot in (True,) if args.one_dot else (False, True):

@@ -169,11 +169,11 @@ def _nibble_pairs(words, steps):
     sm_80 or later (packed bf16 fma); not in the interpreter."""
     dt = steps.dtype
     if dt == tl.bfloat16:
-        return tl.inline_asm_elementwise(_PAIR_UNPACK_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, steps],
-                                         dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=2)
+        asm: tl.constexpr = _PAIR_UNPACK_BF16
     else:
-        return tl.inline_asm_elementwise(_PAIR_UNPACK_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, steps],
-                                         dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=2)
+        asm: tl.constexpr = _PAIR_UNPACK_FP16
+    return tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, steps],
+                                     dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True, pack=2)
 
 
 @triton.jit
@@ -207,10 +207,12 @@ def _tile_dot(words, steps, xt, acc, DOT_F32: tl.constexpr, ONE_DOT: tl.constexp
     groups [BN, T / 4] and xt [BM, 8T] (the tile's columns in order). Eight dots, one per nibble
     plane (plane i is column 8j + i of word j, matched by the i-th column of each 8 of xt), in
     order of bit position so that each fp32 bias tensor dies early (130 rather than 160 registers
-    at 64 x 256); or with ONE_DOT the planes interleaved back into column order and one dot with
-    xt as loaded. PAIR_UNPACK unpacks in x.dtype two weights per instruction (:func:`_nibble_pairs`;
-    steps in x.dtype), else each weight in fp32 (:func:`_nibble_times_step`): the same weights,
-    the same dots in the same order."""
+    at 64 x 256); the fp32 route computes each plane where its dot takes it (all eight computed
+    first took 254 instead of 210 registers at 64 x 64 x 8 groups, Triton 3.6 sm_90a), so the two
+    routes keep their own dot sequences. With ONE_DOT the planes are interleaved back into column
+    order and one dot takes xt as loaded. PAIR_UNPACK unpacks in x.dtype two weights per
+    instruction (:func:`_nibble_pairs`; steps in x.dtype), else each weight in fp32
+    (:func:`_nibble_times_step`): the same weights, the same dots in the same order."""
     BN: tl.constexpr = words.shape[0]
     T: tl.constexpr = words.shape[1]
     dt = xt.dtype

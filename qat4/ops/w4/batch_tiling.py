@@ -128,21 +128,17 @@ def _one_dot(block_m: int, block_g: int, k: int) -> int:
     return int(block_m == 16 and k // 32 <= block_g)
 
 
-def _pair_unpack(block_m: int, block_g: int, steps: int) -> int:
-    """PAIR_UNPACK for a tile whose programs each run `steps` steps: two weights per instruction
-    in x.dtype (where :func:`~qat4.ops.w4.batch.unpacks_pairs` allows it) for tiles of 4 groups a
-    step, and for 16-row tiles of one step; each weight in fp32 otherwise. Timed both ways on an
+def _pair_unpack(tiling: dict, g: int) -> int:
+    """PAIR_UNPACK for a tiling over G groups: two weights per instruction in x.dtype (where
+    :func:`~qat4.ops.w4.batch.unpacks_pairs` allows it) for tiles of 4 groups a step, and for
+    16-row tiles whose programs run one step; each weight in fp32 otherwise. Timed both ways on an
     H100 with bf16 steps (`tools/bench_w4.py --rows R` with and without ``QAT4_PAIR_UNPACK=0``,
     BENCHMARKS.md, 2026-12-07), pairs took the output layer from 137.7 to 123.3 µs at 4 rows and
     from 303.9 to 273.5 at 64, 24,576 x 1,536 from 35.4 to 30.6 at 64 rows and one-step 16-row
     products 1-10 % less, but 64-row tiles of 8 groups 3-11 % more and 16-row programs of 2-3
     steps 3-9 % more."""
-    return int(block_g == 4 or (block_m == 16 and steps == 1))
-
-
-def _steps(g: int, tiling: dict) -> int:
-    """Steps of BLOCK_G groups each program of a tiling runs over G groups."""
-    return triton.cdiv(triton.cdiv(g, tiling["SPLIT_K"]), tiling["BLOCK_G"])
+    steps = triton.cdiv(triton.cdiv(g, tiling["SPLIT_K"]), tiling["BLOCK_G"])  # of each program
+    return int(tiling["BLOCK_G"] == 4 or (tiling["BLOCK_M"] == 16 and steps == 1))
 
 
 def batch_tiling(n: int, k: int, m: int, device=None, *, sm_count: int | None = None) -> dict:
@@ -154,7 +150,7 @@ def batch_tiling(n: int, k: int, m: int, device=None, *, sm_count: int | None = 
             "ONE_DOT": _one_dot(block_m, block_g, k), "num_warps": warps, "num_stages": stages}
     sms = sm_count if sm_count is not None else _sms(device)
     tiling = dict(tile, SPLIT_K=_split_for(n, k // 32, m, tile, sms))
-    return dict(tiling, PAIR_UNPACK=_pair_unpack(block_m, block_g, _steps(k // 32, tiling)))
+    return dict(tiling, PAIR_UNPACK=_pair_unpack(tiling, k // 32))
 
 
 def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: int | None = None) -> list[dict]:
@@ -180,7 +176,7 @@ def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: in
                 add(dict(base, num_stages=stages, PREFETCH=prefetch, ONE_DOT=one_dot))
     for split in _even_splits(g, base["BLOCK_G"]):
         split_tiling = dict(base, SPLIT_K=split)
-        add(dict(split_tiling, PAIR_UNPACK=_pair_unpack(base["BLOCK_M"], base["BLOCK_G"], _steps(g, split_tiling))))
+        add(dict(split_tiling, PAIR_UNPACK=_pair_unpack(split_tiling, g)))
     block_m = base["BLOCK_M"]
     for block_n in (64, 128, 256):
         for block_g in (4, 8):
@@ -191,7 +187,7 @@ def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: in
                 tile = dict(base, BLOCK_N=block_n, BLOCK_G=block_g, num_warps=warps,
                             ONE_DOT=_one_dot(block_m, block_g, k))
                 tile = dict(tile, SPLIT_K=_split_for(n, g, m, tile, sms))
-                add(dict(tile, PAIR_UNPACK=_pair_unpack(block_m, block_g, _steps(g, tile))))
+                add(dict(tile, PAIR_UNPACK=_pair_unpack(tile, g)))
     return out
 
 
@@ -229,7 +225,7 @@ def resolve_tiling(config: dict | None, n: int, k: int, m: int, device) -> dict:
     if "SPLIT_K" not in config and any(key in config for key in ("BLOCK_N", "BLOCK_G", "BLOCK_M", "num_warps")):
         tiling["SPLIT_K"] = _split_for(n, k // 32, m, tiling, _sms(device))
     if "PAIR_UNPACK" not in config:  # the table's rule for the tiling as pinned
-        tiling["PAIR_UNPACK"] = _pair_unpack(tiling["BLOCK_M"], tiling["BLOCK_G"], _steps(k // 32, tiling))
+        tiling["PAIR_UNPACK"] = _pair_unpack(tiling, k // 32)
     if not _fits(n, m, tiling):
         raise ValueError(f"split-K scratch too small for {tiling} at N={n}, M={m}")
     return tiling
