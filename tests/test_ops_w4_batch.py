@@ -199,6 +199,20 @@ def test_tiling_table_fills_an_h200_at_every_decode_shape(m):
         steps = -(-(-(-g // tiling["SPLIT_K"])) // tiling["BLOCK_G"])  # of each program
         # pairs where they measured faster: 4 groups a step, or one step of a 16-row tile
         assert tiling["PAIR_UNPACK"] == (tiling["BLOCK_G"] == 4 or (tiling["BLOCK_M"] == 16 and steps == 1))
+        assert tiling["L2_PREFETCH"] == 0  # no device, no L2
+        assert candidates[3] == dict(tiling, L2_PREFETCH=1)
+
+
+def test_l2_prefetch_where_the_matrix_fits_half_the_l2():
+    """With an H200's 50 MiB of L2 every layer of a decode step prefetches its slices, the
+    output layer's 201 MB does not; a 4 MiB L2 keeps only the small matrices."""
+    l2 = 50 << 20
+    for m in (2, 16, 64):
+        for n, k in DECODE_SHAPES:
+            assert bt.batch_tiling(n, k, m, sm_count=132, l2_bytes=l2)["L2_PREFETCH"] == (n != 262144), (n, k)
+        assert bt.batch_tiling(262144, 1536, m, sm_count=132, l2_bytes=l2)["L2_PREFETCH"] == 0
+    assert bt.batch_tiling(2560, 1536, 4, sm_count=20, l2_bytes=4 << 20)["L2_PREFETCH"] == 0
+    assert bt.batch_tiling(1536, 256, 4, sm_count=20, l2_bytes=4 << 20)["L2_PREFETCH"] == 1
 
 
 def test_tiling_splits_the_long_down_projection():
@@ -217,7 +231,7 @@ def test_config_pins_keys_and_bad_tilings_are_rejected():
     assert bt.resolve_tiling({"BLOCK_G": 4}, 64, 256, 3, "cpu")["PAIR_UNPACK"] == 1  # the rule, for the tile pinned
     assert bt.resolve_tiling({"BLOCK_G": 4, "PAIR_UNPACK": 0}, 64, 256, 3, "cpu")["PAIR_UNPACK"] == 0
     for bad in ({"BLOCK_G": 2}, {"BLOCK_N": 48}, {"BLOCK_M": 8}, {"PREFETCH": 3}, {"SPLIT_K": 0}, {"RR": 4},
-                {"num_stages": 0}, {"ONE_DOT": 2}, {"PAIR_UNPACK": 2}):
+                {"num_stages": 0}, {"ONE_DOT": 2}, {"PAIR_UNPACK": 2}, {"L2_PREFETCH": 2}):
         with pytest.raises(ValueError):
             bt.resolve_tiling(bad, 64, 256, 3, "cpu")
     with pytest.raises(ValueError, match="scratch"):
@@ -306,6 +320,19 @@ def test_pair_unpacking_ptx_gives_the_reference_weights(dtype):
             codes = torch.tensor([(w0 >> 4 * i) & 15, (w1 >> 4 * i) & 15])
             want = ((codes - 8).float() * torch.stack([s0, s1]).float()).to(dtype)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (i, hex(w0), hex(w1), got, want)
+
+
+def test_l2_prefetch_needs_a_gpu_outside_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("QAT4_L2_PREFETCH", raising=False)
+    on_gpu = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    assert wb.prefetches_l2(on_gpu)
+    assert not wb.prefetches_l2(torch.zeros(2, 32))
+    monkeypatch.setenv("QAT4_L2_PREFETCH", "0")
+    assert not wb.prefetches_l2(on_gpu)
+    monkeypatch.delenv("QAT4_L2_PREFETCH")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not wb.prefetches_l2(on_gpu)
 
 
 def test_pair_unpacking_needs_16_bit_x_with_steps_alike_on_a_gpu(monkeypatch):

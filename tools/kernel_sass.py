@@ -2,7 +2,7 @@
 loop runs: the installed Triton's compiler, ptxas and nvdisasm, for an sm_90a target by default.
 
     python tools/kernel_sass.py [--tile 64 128 4 8] [--one-dot] [--prefetch 0] [--stages 1] [--x-dtype bf16]
-                                [--arch 90] [--fp32-unpack]
+                                [--arch 90] [--fp32-unpack] [--l2-prefetch]
 
 Prints per tile (BLOCK_M BLOCK_N BLOCK_G num_warps) the registers and shared memory a program
 takes and the instructions of the loop's body by class (HGMMA, WARPGROUP, BAR, LDG, STS, ...), so
@@ -35,7 +35,7 @@ TABLE_TILES = tuple(dict.fromkeys((bm, bn, bg, warps) for bm, _, (bn, bg, warps,
 
 
 def compile_tile(tile, one_dot: bool, x_dtype: str, arch: int, prefetch: int = 0, stages: int = 1,
-                 pair_unpack: bool = True):
+                 pair_unpack: bool = True, l2_prefetch: bool = False):
     """The compiled kernel for one tile (BLOCK_M, BLOCK_N, BLOCK_G, num_warps)."""
     fn = _batch_kernel.fn  # under the heuristics decorator
     signature = {name: "i32" for name in fn.arg_names}
@@ -46,7 +46,8 @@ def compile_tile(tile, one_dot: bool, x_dtype: str, arch: int, prefetch: int = 0
     block_m, block_n, block_g, warps = tile
     constants = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=block_g, SPLIT_K=4, PREFETCH=prefetch, ONE_DOT=int(one_dot),
                      EPILOGUE=0, SOFTCAP=False, ARGMAX=False, DOT_F32=x_dtype == "fp32",
-                     PAIR_UNPACK=pair_unpack and x_dtype != "fp32", EVEN=True, USE_PDL=False)
+                     PAIR_UNPACK=pair_unpack and x_dtype != "fp32", L2_PREFETCH=l2_prefetch, EVEN=True,
+                     USE_PDL=False)
     signature.update({name: "constexpr" for name in constants})
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
     source = ASTSource(fn, signature, constants, attrs)
@@ -77,8 +78,8 @@ def loop_counts(sass: str) -> collections.Counter:
 
 
 def describe(tile, one_dot: bool, x_dtype: str, arch: int, prefetch: int = 0, stages: int = 1,
-             pair_unpack: bool = True) -> str:
-    kernel = compile_tile(tile, one_dot, x_dtype, arch, prefetch, stages, pair_unpack)
+             pair_unpack: bool = True, l2_prefetch: bool = False) -> str:
+    kernel = compile_tile(tile, one_dot, x_dtype, arch, prefetch, stages, pair_unpack, l2_prefetch)
     with tempfile.TemporaryDirectory() as scratch:
         cubin = os.path.join(scratch, "kernel.cubin")
         with open(cubin, "wb") as f:
@@ -89,8 +90,10 @@ def describe(tile, one_dot: bool, x_dtype: str, arch: int, prefetch: int = 0, st
     registers = re.search(r"REG:(\d+)", usage).group(1)
     counts = loop_counts(sass)
     top = ", ".join(f"{name} {n}" for name, n in counts.most_common(14))
+    prefetches = len(re.findall(r"CCTL\S*\.PF2", sass))  # L2 prefetches anywhere in the kernel
     return (f"{'x'.join(map(str, tile))} {'one dot' if one_dot else 'eight dots'}: {registers} registers, "
-            f"{kernel.metadata.shared / 1024:.0f} KiB shared; loop {sum(counts.values())} instructions: {top}")
+            f"{kernel.metadata.shared / 1024:.0f} KiB shared, {prefetches} L2 prefetch instructions; "
+            f"loop {sum(counts.values())} instructions: {top}")
 
 
 def main() -> None:
@@ -104,14 +107,16 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for sm_90a")
     parser.add_argument("--fp32-unpack", action="store_true",
                         help="unpack each weight in fp32 (PAIR_UNPACK=0) instead of two at a time in x's dtype")
+    parser.add_argument("--l2-prefetch", action="store_true", help="prefetch each program's slice of W into L2 first")
     args = parser.parse_args()
     steps = "bf16" if args.x_dtype == "fp32" else args.x_dtype
     print(f"Triton {triton.__version__}, sm_{args.arch}, x {args.x_dtype} (steps {steps}), PREFETCH {args.prefetch}, "
-          f"num_stages {args.stages}, {'fp32' if args.fp32_unpack else 'pair'} unpacking")
+          f"num_stages {args.stages}, {'fp32' if args.fp32_unpack else 'pair'} unpacking"
+          f"{', L2 prefetch' if args.l2_prefetch else ''}")
     for tile in [tuple(args.tile)] if args.tile else TABLE_TILES:
         for one_dot in (True,) if args.one_dot else (False, True):
-            print(describe(tile, one_dot, args.x_dtype, args.arch, args.prefetch, args.stages, not args.fp32_unpack),
-                  flush=True)
+            print(describe(tile, one_dot, args.x_dtype, args.arch, args.prefetch, args.stages, not args.fp32_unpack,
+                           args.l2_prefetch), flush=True)
 
 
 if __name__ == "__main__":

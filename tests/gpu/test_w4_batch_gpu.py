@@ -122,3 +122,21 @@ def test_pair_unpacking_matches_the_fp32_route_bit_for_bit(dtype):
     packed, scales = random_weight(VOCAB, HIDDEN, dtype)
     assert torch.equal(*both(lambda c: wb.w4_batch_logits(x, packed, scales, config=c), {}))
     assert torch.equal(*both(lambda c: wb.w4_batch_argmax(x, packed, scales, config=c), {}))
+
+
+def test_l2_prefetch_changes_no_output():
+    """Prefetching a program's slice of W into L2 changes where the words come from, never what is
+    summed: with and without it every output is the same bit for bit, over splits whose slices
+    end mid-line, rows past N and an argmax over the output layer."""
+    cases = [((2560, 1536), 4, {}), ((1536, 12288), 16, {"SPLIT_K": 3}), ((1000, 1536), 33, {}),
+             ((12288, 1536), 64, {"PREFETCH": 1})]
+    both = lambda run, config: (run(dict(config, L2_PREFETCH=1)), run(dict(config, L2_PREFETCH=0)))  # noqa: E731
+    for (n, k), m, config in cases:
+        packed, scales = random_weight(n, k, torch.bfloat16, seed=m)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        assert wb.prefetches_l2(x)
+        on, off = both(lambda c: wb.w4_batch_linear(x, packed, scales, config=c), config)
+        assert torch.equal(on, off), (n, k, m, config)
+    packed, scales = random_weight(VOCAB, HIDDEN, torch.bfloat16)
+    x = torch.randn(16, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(*both(lambda c: wb.w4_batch_argmax(x, packed, scales, config=c), {}))

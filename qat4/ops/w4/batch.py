@@ -114,7 +114,8 @@ import torch
 from qat4.ops._triton import tl, triton
 from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
 from qat4.ops.w4.common import (
-    GELU_PAIRS, GELU_UP, PLAIN, _softcap, argmax_reduce_kernel, interpreting, split_last, store_tile, unit_columns,
+    GELU_PAIRS, GELU_UP, PLAIN, _softcap, argmax_reduce_kernel, interpreting, prefetch_slice, prefetches_l2, split_last,
+    store_tile, unit_columns,
 )
 from qat4.ops.w4.batch_tiling import BATCH_PARTIALS, BATCH_SLOTS, resolve_tiling
 from qat4.ops.w4.reference import check, check_gelu
@@ -308,8 +309,8 @@ def _batch_kernel(
     M, N, G, stride_xm, stride_om, stride_um, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr,
     PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, EPILOGUE: tl.constexpr, SOFTCAP: tl.constexpr,
-    ARGMAX: tl.constexpr, DOT_F32: tl.constexpr, PAIR_UNPACK: tl.constexpr, EVEN: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    ARGMAX: tl.constexpr, DOT_F32: tl.constexpr, PAIR_UNPACK: tl.constexpr, L2_PREFETCH: tl.constexpr,
+    EVEN: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out = epilogue(x [M, K] @ W.T) for a few rows of x; K = 32 * G.
 
@@ -350,6 +351,8 @@ def _batch_kernel(
     words, steps = _tile_loads(w_ptr, s_ptr, w_off, s_off, rows_ok, kw, g_begin, g_end, EVEN)
     if PREFETCH == 2:
         words1, steps1 = _tile_loads(w_ptr, s_ptr, w_off, s_off, rows_ok, kw, g_begin + BLOCK_G, g_end, EVEN)
+    if L2_PREFETCH:
+        prefetch_slice(w_ptr, s_ptr, rn, N, G, g_begin, g_end)
     wait_for_previous_kernel(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if PREFETCH == 0:
@@ -439,6 +442,7 @@ def _launch(x, packed, scales, out, *, epilogue=PLAIN, up=None, softcap=None, id
         BLOCK_M=tiling["BLOCK_M"], BLOCK_N=tiling["BLOCK_N"], BLOCK_G=tiling["BLOCK_G"], SPLIT_K=tiling["SPLIT_K"],
         PREFETCH=tiling["PREFETCH"], ONE_DOT=tiling["ONE_DOT"], EPILOGUE=int(epilogue), SOFTCAP=softcap is not None,
         ARGMAX=argmax, DOT_F32=dot_f32, PAIR_UNPACK=bool(tiling["PAIR_UNPACK"]) and unpacks_pairs(x, scales),
+        L2_PREFETCH=bool(tiling["L2_PREFETCH"]) and prefetches_l2(x),
         num_warps=tiling["num_warps"], num_stages=tiling["num_stages"],
         **pdl_launch(x, m),
     )

@@ -10,10 +10,10 @@ import functools
 import torch
 
 from qat4.ops._triton import triton
-from qat4.ops.w4.common import sm_count
+from qat4.ops.w4.common import fits_half_l2, l2_bytes, sm_count
 
-TILING_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_G", "SPLIT_K", "PREFETCH", "ONE_DOT", "PAIR_UNPACK", "num_warps",
-               "num_stages")
+TILING_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_G", "SPLIT_K", "PREFETCH", "ONE_DOT", "PAIR_UNPACK", "L2_PREFETCH",
+               "num_warps", "num_stages")
 _MAX_SPLIT = 16  # the last program of a tile adds this many partials at most (unrolled)
 BATCH_SLOTS = 1 << 12  # split-K ticket counters per device (row blocks of W x row blocks of x)
 BATCH_PARTIALS = 1 << 22  # split-K fp32 partial sums per device (16 MiB)
@@ -120,6 +120,16 @@ def _sms(device) -> int:
     return sm_count(torch.device(device)) if device is not None else 1
 
 
+def _l2(device) -> int:
+    return l2_bytes(torch.device(device)) if device is not None else 0
+
+
+def _l2_prefetch(n: int, k: int, l2: int) -> int:
+    """L2_PREFETCH for W [n, k]: each program asks L2 for its whole slice of W before its first
+    step (:func:`~qat4.ops.w4.common.prefetch_slice`) where W fits in half the L2."""
+    return int(fits_half_l2(n, k, l2))
+
+
 def _one_dot(block_m: int, block_g: int, k: int) -> int:
     """ONE_DOT for a tile: one dot for a 16-row tile whose K is a single step. With nothing to
     overlap the eight dots' round trips with, the per-layer inputs' 1,536 x 256 product took 1.86
@@ -141,27 +151,32 @@ def _pair_unpack(tiling: dict, g: int) -> int:
     return int(tiling["BLOCK_G"] == 4 or (tiling["BLOCK_M"] == 16 and steps == 1))
 
 
-def batch_tiling(n: int, k: int, m: int, device=None, *, sm_count: int | None = None) -> dict:
+def batch_tiling(n: int, k: int, m: int, device=None, *, sm_count: int | None = None,
+                 l2_bytes: int | None = None) -> dict:
     """The table's tiling (keys :data:`TILING_KEYS`) for W [n, k] and m rows of x on `device`
-    (its SM count sets the split; `sm_count` overrides it; no device: one SM)."""
+    (its SM count sets the split and its L2 the prefetch; `sm_count` and `l2_bytes` override
+    them; no device: one SM and no L2)."""
     block_m = _block_m(m)
     block_n, block_g, warps, stages, prefetch = _default_tile(n, block_m)
     tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_G": block_g, "PREFETCH": prefetch,
             "ONE_DOT": _one_dot(block_m, block_g, k), "num_warps": warps, "num_stages": stages}
     sms = sm_count if sm_count is not None else _sms(device)
     tiling = dict(tile, SPLIT_K=_split_for(n, k // 32, m, tile, sms))
-    return dict(tiling, PAIR_UNPACK=_pair_unpack(tiling, k // 32))
+    l2 = l2_bytes if l2_bytes is not None else _l2(device)
+    return dict(tiling, PAIR_UNPACK=_pair_unpack(tiling, k // 32), L2_PREFETCH=_l2_prefetch(n, k, l2))
 
 
-def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: int | None = None) -> list[dict]:
+def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: int | None = None,
+                            l2_bytes: int | None = None) -> list[dict]:
     """Tilings worth timing for one shape (tools/bench_w4.py --sweep): the table's; its tile with
     the other ONE_DOT (one dot a step or eight), its tile with the other PAIR_UNPACK, then both
     ONE_DOT ways with every PREFETCH and num_stages; its tile with every whole-step split; and the
     other tiles of 8-16 words and at most 64 sums per thread, with the split rule's split. The
-    table's comes first, its ONE_DOT twin second and its PAIR_UNPACK twin third."""
+    table's comes first, its ONE_DOT twin second, its PAIR_UNPACK twin third and its L2_PREFETCH
+    twin fourth."""
     sms = sm_count if sm_count is not None else _sms(device)
     g = k // 32
-    base = batch_tiling(n, k, m, sm_count=sms)
+    base = batch_tiling(n, k, m, sm_count=sms, l2_bytes=l2_bytes if l2_bytes is not None else _l2(device))
     out = [base]
 
     def add(tiling):
@@ -170,6 +185,7 @@ def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: in
 
     add(dict(base, ONE_DOT=1 - base["ONE_DOT"]))
     add(dict(base, PAIR_UNPACK=1 - base["PAIR_UNPACK"]))
+    add(dict(base, L2_PREFETCH=1 - base["L2_PREFETCH"]))
     for one_dot in (1 - base["ONE_DOT"], base["ONE_DOT"]):
         for prefetch in (0, 1, 2):
             for stages in (1, 2, 3):
@@ -192,10 +208,10 @@ def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: in
 
 
 @functools.lru_cache(maxsize=4096)
-def _table_tiling(n: int, k: int, m: int, sms: int) -> dict:
+def _table_tiling(n: int, k: int, m: int, sms: int, l2_bytes: int) -> dict:
     """:func:`batch_tiling` for an SM count, worked out once per shape (a prompt step launches
     some 200 of these; the split rule alone is tens of µs of Python). Shared: never changed."""
-    tiling = batch_tiling(n, k, m, sm_count=sms)
+    tiling = batch_tiling(n, k, m, sm_count=sms, l2_bytes=l2_bytes)
     if not _fits(n, m, tiling):
         raise ValueError(f"split-K scratch too small for {tiling} at N={n}, M={m}")
     return tiling
@@ -207,8 +223,8 @@ def resolve_tiling(config: dict | None, n: int, k: int, m: int, device) -> dict:
     rule for it, and without a pinned PAIR_UNPACK the table's rule for the tiling as pinned.
     Without `config`, the shared table tiling."""
     if not config:
-        return _table_tiling(n, k, m, _sms(device))
-    tiling = dict(_table_tiling(n, k, m, _sms(device)))
+        return _table_tiling(n, k, m, _sms(device), _l2(device))
+    tiling = dict(_table_tiling(n, k, m, _sms(device), _l2(device)))
     unknown = set(config) - set(TILING_KEYS)
     if unknown:
         raise ValueError(f"unknown batch tiling keys {sorted(unknown)}; use {TILING_KEYS}")
@@ -218,10 +234,10 @@ def resolve_tiling(config: dict | None, n: int, k: int, m: int, device) -> dict:
     pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
     if not (pow2(tiling["BLOCK_M"]) and tiling["BLOCK_M"] >= 16 and pow2(tiling["BLOCK_N"]) and tiling["BLOCK_N"] >= 16
             and pow2(tiling["BLOCK_G"]) and tiling["BLOCK_G"] >= 4 and tiling["PREFETCH"] in (0, 1, 2)
-            and tiling["ONE_DOT"] in (0, 1) and tiling["PAIR_UNPACK"] in (0, 1)
+            and tiling["ONE_DOT"] in (0, 1) and tiling["PAIR_UNPACK"] in (0, 1) and tiling["L2_PREFETCH"] in (0, 1)
             and tiling["SPLIT_K"] >= 1 and pow2(tiling["num_warps"]) and tiling["num_stages"] >= 1):
         raise ValueError(f"a batch tiling needs BLOCK_M, BLOCK_N >= 16 and BLOCK_G >= 4 (tl.dot's 16) as powers of two, "
-                         f"PREFETCH 0, 1 or 2, ONE_DOT and PAIR_UNPACK 0 or 1, SPLIT_K >= 1; got {tiling}")
+                         f"PREFETCH 0, 1 or 2, ONE_DOT, PAIR_UNPACK and L2_PREFETCH 0 or 1, SPLIT_K >= 1; got {tiling}")
     if "SPLIT_K" not in config and any(key in config for key in ("BLOCK_N", "BLOCK_G", "BLOCK_M", "num_warps")):
         tiling["SPLIT_K"] = _split_for(n, k // 32, m, tiling, _sms(device))
     if "PAIR_UNPACK" not in config:  # the table's rule for the tiling as pinned

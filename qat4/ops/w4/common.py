@@ -150,6 +150,49 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte line at each of ptrs (any shape; one ``prefetch.global.L2`` per
+    element): nothing waits for it and no register holds it. Not in the interpreter."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_slice(w_ptr, s_ptr, rows, N, G, g_begin, g_end):
+    """Prefetch into L2 a program's slice of W, words [N, 4G] int32 and steps [N, G]: rows
+    [R] over the groups [g_begin, g_end), the words 64 bytes (4 groups) per address, two
+    addresses a row per iteration, the steps by the first and last byte of each 128 bytes (64
+    groups). Rows past N read row N - 1 and every address lies inside the slice, so none faults.
+    A kernel calls it before its PDL wait: the weights stream into L2 while it waits, and its
+    steps' loads find them there instead of each paying a trip to memory."""
+    r = tl.minimum(rows, N - 1)[:, None]
+    pair = tl.arange(0, 2)[None, :]
+    for g in range(g_begin, g_end, 8):
+        _prefetch_l2(w_ptr + r * (4 * G) + 4 * tl.minimum(g + 4 * pair, g_end - 4))
+    for g in range(g_begin, g_end, 64):
+        _prefetch_l2(s_ptr + r * G + tl.minimum(g + 63 * pair, g_end - 1))
+
+
+@functools.lru_cache(maxsize=None)
+def l2_bytes(device: torch.device) -> int:
+    """Bytes of L2 cache of a CUDA device (0 elsewhere)."""
+    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
+
+
+def fits_half_l2(n: int, k: int, l2: int) -> bool:
+    """Whether W [n, k] (4-bit words and 16-bit steps) fits in half of an L2 of ``l2`` bytes: a
+    product over it may prefetch it whole, and what it prefetched is still there when its steps
+    reach it (the output layer's 201 MB would evict itself)."""
+    return 2 * (n * k // 2 + n * k // 16) <= l2
+
+
+def prefetches_l2(x: torch.Tensor) -> bool:
+    """Whether the int4 kernels may prefetch their slices of W into L2 (:func:`prefetch_slice`):
+    x on a CUDA GPU, outside the interpreter, unless ``QAT4_L2_PREFETCH=0``."""
+    return x.is_cuda and not interpreting() and os.environ.get("QAT4_L2_PREFETCH", "1") != "0"
+
+
 def interpreting() -> bool:
     """Whether kernels run under the Triton interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
