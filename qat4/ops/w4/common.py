@@ -169,7 +169,7 @@ def prefetch_slice(w_ptr, s_ptr, rows, N, G, g_begin, g_end):
     r = tl.minimum(rows, N - 1)[:, None]
     pair = tl.arange(0, 2)[None, :]
     for g in range(g_begin, g_end, 8):
-        _prefetch_l2(w_ptr + r * (4 * G) + 4 * tl.minimum(g + 4 * pair, g_end - 4))
+        _prefetch_l2(w_ptr + r * (4 * G) + 4 * tl.maximum(tl.minimum(g + 4 * pair, g_end - 4), g_begin))
     for g in range(g_begin, g_end, 64):
         _prefetch_l2(s_ptr + r * G + tl.minimum(g + 63 * pair, g_end - 1))
 
