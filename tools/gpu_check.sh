@@ -4,7 +4,8 @@
 # ./out). Compiled kernels stay in $TRITON_CACHE_DIR (default /tmp/qat4_triton_cache); the cache
 # also leaves as $OUT/triton_cache.tar.xz.NN (15 MiB parts), and parts found in .triton_cache/ are
 # unpacked into it first, so a fresh machine starts with the kernels an earlier one compiled.
-#   usage: tools/gpu_check.sh STEP...   steps: kernels sweep tests bench cap tune serve load overhead turns eval spec specstep mtp grammar profile attention ab all
+#   usage: tools/gpu_check.sh STEP...   steps: setup kernels sweep tests bench cap tune serve load overhead turns eval spec specstep mtp grammar profile attention ab all
+#     setup    only what every call does first: the wheels and the compiled kernels, for commands of one's own after it
 #     kernels  the int4 kernels at E2B decode shapes: GEMV, decode-batch kernel and GEMM at 2, 16, 64 rows;
 #              the batch kernel again with one dot a step (ONE_DOT) at 16 and 64
 #     sweep    every decode-batch tiling at 4, 16 and 64 rows (tools/bench_w4.py --sweep)
