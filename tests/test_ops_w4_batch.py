@@ -326,11 +326,13 @@ def test_l2_prefetch_needs_a_gpu_outside_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("QAT4_L2_PREFETCH", raising=False)
     on_gpu = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    assert not wb.prefetches_l2(on_gpu)  # off unless asked for
+    monkeypatch.setenv("QAT4_L2_PREFETCH", "1")
     assert wb.prefetches_l2(on_gpu)
     assert not wb.prefetches_l2(torch.zeros(2, 32))
     monkeypatch.setenv("QAT4_L2_PREFETCH", "0")
     assert not wb.prefetches_l2(on_gpu)
-    monkeypatch.delenv("QAT4_L2_PREFETCH")
+    monkeypatch.setenv("QAT4_L2_PREFETCH", "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not wb.prefetches_l2(on_gpu)
 

@@ -124,10 +124,11 @@ def test_pair_unpacking_matches_the_fp32_route_bit_for_bit(dtype):
     assert torch.equal(*both(lambda c: wb.w4_batch_argmax(x, packed, scales, config=c), {}))
 
 
-def test_l2_prefetch_changes_no_output():
+def test_l2_prefetch_changes_no_output(monkeypatch):
     """Prefetching a program's slice of W into L2 changes where the words come from, never what is
     summed: with and without it every output is the same bit for bit, over splits whose slices
     end mid-line, rows past N and an argmax over the output layer."""
+    monkeypatch.setenv("QAT4_L2_PREFETCH", "1")
     cases = [((2560, 1536), 4, {}), ((1536, 12288), 16, {"SPLIT_K": 3}), ((1000, 1536), 33, {}),
              ((12288, 1536), 64, {"PREFETCH": 1})]
     both = lambda run, config: (run(dict(config, L2_PREFETCH=1)), run(dict(config, L2_PREFETCH=0)))  # noqa: E731

@@ -79,7 +79,8 @@ covers BLOCK_G groups, BLOCK_K = 32 * BLOCK_G columns::
   A Gluon kernel that loaded the words straight in the wgmma operand's layout and held one or two
   later steps of them in registers matched the reference but took 1,505 against 1,379 µs for a
   4-row step's products on an H200 at best (BENCHMARKS.md, 2026-12-03).
-- *L2 prefetch* (L2_PREFETCH, where W fits half the L2): before its PDL wait a program asks L2 for
+- *L2 prefetch* (L2_PREFETCH, where W fits half the L2, with ``QAT4_L2_PREFETCH=1``:
+  :func:`~qat4.ops.w4.common.prefetches_l2`): before its PDL wait a program asks L2 for
   its whole slice of W (:func:`~qat4.ops.w4.common.prefetch_slice`, ``prefetch.global.L2``: no
   register holds what is in flight), so its steps' loads, each issued in the iteration that
   unpacks it, find the words in L2 instead of each paying a trip to memory.

@@ -189,8 +189,9 @@ def fits_half_l2(n: int, k: int, l2: int) -> bool:
 
 def prefetches_l2(x: torch.Tensor) -> bool:
     """Whether the int4 kernels may prefetch their slices of W into L2 (:func:`prefetch_slice`):
-    x on a CUDA GPU, outside the interpreter, unless ``QAT4_L2_PREFETCH=0``."""
-    return x.is_cuda and not interpreting() and os.environ.get("QAT4_L2_PREFETCH", "1") != "0"
+    x on a CUDA GPU, outside the interpreter, with ``QAT4_L2_PREFETCH=1``. Off by default: what
+    it does to a decode step has not been timed yet (BENCHMARKS.md)."""
+    return x.is_cuda and not interpreting() and os.environ.get("QAT4_L2_PREFETCH", "0") == "1"
 
 
 def interpreting() -> bool:
