@@ -126,11 +126,13 @@ def test_pair_unpacking_matches_the_fp32_route_bit_for_bit(dtype):
 
 def test_l2_prefetch_changes_no_output(monkeypatch):
     """Prefetching a program's slice of W into L2 changes where the words come from, never what is
-    summed: with and without it every output is the same bit for bit, over splits whose slices
-    end mid-line, rows past N and an argmax over the output layer."""
+    summed: with and without it every output is the same bit for bit (a wrong address would fault),
+    over slices of 12 groups (the words' last prefetch clamped), split programs with nothing left
+    to sum, rows past N and an argmax over the output layer."""
     monkeypatch.setenv("QAT4_L2_PREFETCH", "1")
     cases = [((2560, 1536), 4, {}), ((1536, 12288), 16, {"SPLIT_K": 3}), ((1000, 1536), 33, {}),
-             ((12288, 1536), 64, {"PREFETCH": 1})]
+             ((12288, 1536), 64, {"PREFETCH": 1}), ((2048, 1536), 16, {"BLOCK_G": 4, "SPLIT_K": 4}),
+             ((1536, 1536), 4, {"BLOCK_G": 8, "SPLIT_K": 5})]
     both = lambda run, config: (run(dict(config, L2_PREFETCH=1)), run(dict(config, L2_PREFETCH=0)))  # noqa: E731
     for (n, k), m, config in cases:
         packed, scales = random_weight(n, k, torch.bfloat16, seed=m)

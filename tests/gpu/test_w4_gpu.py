@@ -14,6 +14,7 @@ from qat4.ops.w4 import expanded as wx
 from qat4.ops.w4 import gemm as wm
 from qat4.ops.w4 import gemv as wv
 from qat4.ops.w4 import reference as wr
+from qat4.ops.w4.common import fits_half_l2, l2_bytes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -185,6 +186,9 @@ def test_gemv_l2_prefetch_changes_no_output(monkeypatch):
     cases = [((2560, 1536), {"RR": 2, "TR": 8, "BLOCK_G": 16, "SPLIT_K": 1}),
              ((1536, 12288), {"RR": 8, "TR": 2, "BLOCK_G": 16, "SPLIT_K": 8}),
              ((1000, 1536), {"RR": 4, "TR": 4, "BLOCK_G": 8, "SPLIT_K": 3})]
+    l2 = l2_bytes(torch.device("cuda", torch.cuda.current_device()))
+    if not all(fits_half_l2(n, k, l2) for (n, k), _ in cases):
+        pytest.skip(f"an L2 of {l2} bytes is too small for these matrices to be prefetched")
     for (n, k), config in cases:
         packed, scales = random_weight(n, k, torch.bfloat16)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)

@@ -125,8 +125,8 @@ def _l2(device) -> int:
 
 
 def _l2_prefetch(n: int, k: int, l2: int) -> int:
-    """L2_PREFETCH for W [n, k]: each program asks L2 for its whole slice of W before its first
-    step (:func:`~qat4.ops.w4.common.prefetch_slice`) where W fits in half the L2."""
+    """L2_PREFETCH for W [n, k]: each program asks L2 for its whole slice of W before its PDL
+    wait (:func:`~qat4.ops.w4.common.prefetch_slice`) where W fits in half the L2."""
     return int(fits_half_l2(n, k, l2))
 
 

@@ -23,8 +23,8 @@ pre-scaled by 2^(100 - 4p); the -8 bias comes off as 8 * sum(x) per group, the s
 group. The lane dimension is the only contiguous one of every load, which makes Triton 3.6 and
 later pick the same register layout for words and x (no shared-memory shuffles in the loop).
 The next step's loads are issued before the current step's arithmetic, and where W fits half the
-L2 (with ``QAT4_L2_PREFETCH=1``) the program's whole slice is first asked of L2 (:func:`~qat4.ops.w4.common.prefetch_slice`,
-before the PDL wait), so those loads find it there. With SPLIT_K > 1 every
+L2 (with ``QAT4_L2_PREFETCH=1``) the program asks L2 for its whole slice before its PDL wait
+(:func:`~qat4.ops.w4.common.prefetch_slice`), so those loads find it there. With SPLIT_K > 1 every
 program stores an fp32 partial and the last one of a row block (a ticket counter per block) adds
 them in split order and runs the epilogue: no extra launch, deterministic.
 """
