@@ -330,7 +330,8 @@ def _batch_kernel(
     BLOCK_G groups (:func:`_tile_dot`, eight dots or with ONE_DOT one): PREFETCH = 0 loads each
     step's weights in that step (the
     first step peeled), PREFETCH = 1 or 2 that many steps ahead; either way the first weights are
-    loaded before waiting for the kernel that wrote x (USE_PDL). EVEN (N a multiple of BLOCK_N, G of
+    loaded before waiting for the kernel that wrote x (USE_PDL), and with L2_PREFETCH the program's
+    whole slice of W is asked of L2 there too (:func:`prefetch_slice`). EVEN (N a multiple of BLOCK_N, G of
     BLOCK_G * SPLIT_K) drops the row and group masks of the weights. With SPLIT_K > 1 the partial
     goes to part[slot, k] (slot = n * cdiv(M, BLOCK_M) + m); a ticket from lock[slot] elects the
     last program, which adds the partials in split order, runs the epilogue and resets the ticket.

@@ -1,5 +1,5 @@
 """The pieces several w4 kernels share: nibble unpacking, the softcap, the tile epilogue, the
-argmax reduction, and the host helpers their launchers use.
+argmax reduction, the L2 prefetch of a program's weights, and the host helpers their launchers use.
 
 - :func:`nibble_f32`, :func:`unpack_levels`: packed words to float codes / levels in registers
   (the GEMV, the prefill GEMM, the embedding lookup); :func:`split_last` splits a tensor's last
@@ -8,6 +8,8 @@ argmax reduction, and the host helpers their launchers use.
   and the GEMM; :func:`store_tile` is the batch kernel's and the GEMM's; :func:`_softcap` the
   output layer's in the GEMV and the batch kernel.
 - :func:`argmax_reduce_kernel`: the second pass of both argmax output layers.
+- :func:`prefetch_slice`: the GEMV's and the batch kernel's slice of W asked of L2 before their
+  PDL wait, where :func:`prefetches_l2` and :func:`fits_half_l2` allow it.
 """
 
 import functools
