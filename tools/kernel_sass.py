@@ -34,13 +34,17 @@ ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "out_ptr", "idx_ptr", "u_ptr", "part_ptr",
 TABLE_TILES = tuple(dict.fromkeys((bm, bn, bg, warps) for bm, _, (bn, bg, warps, *_), _ in _TILES))  # (BM, BN, BG, warps)
 
 
+def steps_dtype(x_dtype: str) -> str:
+    """The steps' dtype the kernel is compiled for: x's, or bf16 under fp32 x."""
+    return "fp16" if x_dtype == "fp16" else "bf16"
+
+
 def compile_tile(tile, one_dot: bool, x_dtype: str, arch: int, prefetch: int = 0, stages: int = 1,
                  pair_unpack: bool = True, l2_prefetch: bool = False):
     """The compiled kernel for one tile (BLOCK_M, BLOCK_N, BLOCK_G, num_warps)."""
     fn = _batch_kernel.fn  # under the heuristics decorator
     signature = {name: "i32" for name in fn.arg_names}
-    steps_dtype = "fp16" if x_dtype == "fp16" else "bf16"  # the steps in x's dtype, fp32 x aside
-    signature.update({"x_ptr": f"*{x_dtype}", "w_ptr": "*i32", "s_ptr": f"*{steps_dtype}", "out_ptr": f"*{x_dtype}",
+    signature.update({"x_ptr": f"*{x_dtype}", "w_ptr": "*i32", "s_ptr": f"*{steps_dtype(x_dtype)}", "out_ptr": f"*{x_dtype}",
                       "idx_ptr": "*i32", "u_ptr": f"*{x_dtype}", "part_ptr": "*fp32", "lock_ptr": "*i32",
                       "softcap": "fp32"})
     block_m, block_n, block_g, warps = tile
@@ -109,8 +113,7 @@ def main() -> None:
                         help="unpack each weight in fp32 (PAIR_UNPACK=0) instead of two at a time in x's dtype")
     parser.add_argument("--l2-prefetch", action="store_true", help="prefetch each program's slice of W into L2 first")
     args = parser.parse_args()
-    steps = "bf16" if args.x_dtype == "fp32" else args.x_dtype
-    print(f"Triton {triton.__version__}, sm_{args.arch}, x {args.x_dtype} (steps {steps}), PREFETCH {args.prefetch}, "
+    print(f"Triton {triton.__version__}, sm_{args.arch}, x {args.x_dtype} (steps {steps_dtype(args.x_dtype)}), PREFETCH {args.prefetch}, "
           f"num_stages {args.stages}, {'fp32' if args.fp32_unpack else 'pair'} unpacking"
           f"{', L2 prefetch' if args.l2_prefetch else ''}")
     for tile in [tuple(args.tile)] if args.tile else TABLE_TILES:

@@ -124,12 +124,6 @@ def _l2(device) -> int:
     return l2_bytes(torch.device(device)) if device is not None else 0
 
 
-def _l2_prefetch(n: int, k: int, l2: int) -> int:
-    """L2_PREFETCH for W [n, k]: each program asks L2 for its whole slice of W before its PDL
-    wait (:func:`~qat4.ops.w4.common.prefetch_slice`) where W fits in half the L2."""
-    return int(fits_half_l2(n, k, l2))
-
-
 def _one_dot(block_m: int, block_g: int, k: int) -> int:
     """ONE_DOT for a tile: one dot for a 16-row tile whose K is a single step. With nothing to
     overlap the eight dots' round trips with, the per-layer inputs' 1,536 x 256 product took 1.86
@@ -163,7 +157,7 @@ def batch_tiling(n: int, k: int, m: int, device=None, *, sm_count: int | None = 
     sms = sm_count if sm_count is not None else _sms(device)
     tiling = dict(tile, SPLIT_K=_split_for(n, k // 32, m, tile, sms))
     l2 = l2_bytes if l2_bytes is not None else _l2(device)
-    return dict(tiling, PAIR_UNPACK=_pair_unpack(tiling, k // 32), L2_PREFETCH=_l2_prefetch(n, k, l2))
+    return dict(tiling, PAIR_UNPACK=_pair_unpack(tiling, k // 32), L2_PREFETCH=int(fits_half_l2(n, k, l2)))
 
 
 def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: int | None = None,
