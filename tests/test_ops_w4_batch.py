@@ -201,18 +201,24 @@ def test_tiling_table_fills_an_h200_at_every_decode_shape(m):
         assert tiling["PAIR_UNPACK"] == (tiling["BLOCK_G"] == 4 or (tiling["BLOCK_M"] == 16 and steps == 1))
         assert tiling["L2_PREFETCH"] == 0  # no device, no L2
         assert candidates[3] == dict(tiling, L2_PREFETCH=1)
+        l2 = 50 << 20  # an H200's: prefetch on 64-row programs of 3 steps or more
+        for c in bt.batch_tiling_candidates(n, k, m, sm_count=132, l2_bytes=l2)[4:]:
+            c_steps = -(-(-(-g // c["SPLIT_K"])) // c["BLOCK_G"])
+            assert c["L2_PREFETCH"] == (c["BLOCK_M"] == 64 and c_steps >= 3 and n != 262144), c
 
 
-def test_l2_prefetch_where_the_matrix_fits_half_the_l2():
-    """With an H200's 50 MiB of L2 every layer of a decode step prefetches its slices, the
-    output layer's 201 MB does not; a 4 MiB L2 keeps only the small matrices."""
+def test_l2_prefetch_where_it_was_timed_faster():
+    """On an H200 (132 SMs, 50 MiB of L2) the table prefetches the long 64-row products of a decode
+    step (measured faster) and nothing at 2-16 rows or 128 (slower or untimed), never the output
+    layer's 201 MB; an L2 too small for the matrix turns it off."""
     l2 = 50 << 20
-    for m in (2, 16, 64):
-        for n, k in DECODE_SHAPES:
-            assert bt.batch_tiling(n, k, m, sm_count=132, l2_bytes=l2)["L2_PREFETCH"] == (n != 262144), (n, k)
-        assert bt.batch_tiling(262144, 1536, m, sm_count=132, l2_bytes=l2)["L2_PREFETCH"] == 0
-    assert bt.batch_tiling(2560, 1536, 4, sm_count=20, l2_bytes=4 << 20)["L2_PREFETCH"] == 0
-    assert bt.batch_tiling(1536, 256, 4, sm_count=20, l2_bytes=4 << 20)["L2_PREFETCH"] == 1
+    prefetched = {(n, k) for n, k in DECODE_SHAPES if bt.batch_tiling(n, k, 64, sm_count=132, l2_bytes=l2)["L2_PREFETCH"]}
+    assert prefetched == {(12288, 1536), (24576, 1536), (1536, 6144), (1536, 12288)}
+    for m in (2, 16, 128):
+        assert not any(bt.batch_tiling(n, k, m, sm_count=132, l2_bytes=l2)["L2_PREFETCH"] for n, k in DECODE_SHAPES)
+    assert bt.batch_tiling(262144, 1536, 64, sm_count=132, l2_bytes=l2)["L2_PREFETCH"] == 0
+    assert bt.batch_tiling(1536, 12288, 64, sm_count=132, l2_bytes=4 << 20)["L2_PREFETCH"] == 0
+    assert bt.resolve_tiling({"SPLIT_K": 1}, 1536, 6144, 64, None)["L2_PREFETCH"] == 0  # no device, no L2
 
 
 def test_tiling_splits_the_long_down_projection():
@@ -326,9 +332,7 @@ def test_l2_prefetch_needs_a_gpu_outside_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("QAT4_L2_PREFETCH", raising=False)
     on_gpu = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
-    assert not wb.prefetches_l2(on_gpu)  # off unless asked for
-    monkeypatch.setenv("QAT4_L2_PREFETCH", "1")
-    assert wb.prefetches_l2(on_gpu)
+    assert wb.prefetches_l2(on_gpu)  # on unless turned off
     assert not wb.prefetches_l2(torch.zeros(2, 32))
     monkeypatch.setenv("QAT4_L2_PREFETCH", "0")
     assert not wb.prefetches_l2(on_gpu)

@@ -134,7 +134,7 @@ def bench_matvec(dtype, rows, sweep, shapes, device, peak):
 def describe_batch_tiling(t):
     return (f"BM={t['BLOCK_M']} BN={t['BLOCK_N']} BG={t['BLOCK_G']} split={t['SPLIT_K']} pf={t['PREFETCH']} "
             f"1dot={t['ONE_DOT']} pairs={t['PAIR_UNPACK'] if os.environ.get('QAT4_PAIR_UNPACK') != '0' else 0} "
-            f"l2={t['L2_PREFETCH'] if os.environ.get('QAT4_L2_PREFETCH') == '1' else 0} "
+            f"l2={t['L2_PREFETCH'] if os.environ.get('QAT4_L2_PREFETCH') != '0' else 0} "
             f"w={t['num_warps']} st={t['num_stages']}")
 
 

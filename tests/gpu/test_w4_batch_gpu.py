@@ -129,7 +129,7 @@ def test_l2_prefetch_changes_no_output(monkeypatch):
     summed: with and without it every output is the same bit for bit (a wrong address would fault),
     over slices of 12 groups (the words' last prefetch clamped), split programs with nothing left
     to sum, rows past N and an argmax over the output layer."""
-    monkeypatch.setenv("QAT4_L2_PREFETCH", "1")
+    monkeypatch.delenv("QAT4_L2_PREFETCH", raising=False)
     cases = [((2560, 1536), 4, {}), ((1536, 12288), 16, {"SPLIT_K": 3}), ((1000, 1536), 33, {}),
              ((12288, 1536), 64, {"PREFETCH": 1}), ((2048, 1536), 16, {"BLOCK_G": 4, "SPLIT_K": 4}),
              ((1536, 1536), 4, {"BLOCK_G": 8, "SPLIT_K": 5})]

@@ -14,7 +14,6 @@ from qat4.ops.w4 import expanded as wx
 from qat4.ops.w4 import gemm as wm
 from qat4.ops.w4 import gemv as wv
 from qat4.ops.w4 import reference as wr
-from qat4.ops.w4.common import fits_half_l2, l2_bytes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -178,32 +177,3 @@ def test_residual_epilogue_at_e2b_shapes(n, k, dtype):
         captured.zero_()
         graph.replay()
         assert torch.equal(captured, w4.w4_linear_residual(x, packed, scales, step)[0])
-
-
-def test_gemv_l2_prefetch_changes_no_output(monkeypatch):
-    """The GEMV prefetching its slices of W into L2 sums the same words in the same order: with
-    and without it the outputs are the same bit for bit (split K, rows past N, the residual step)."""
-    cases = [((2560, 1536), {"RR": 2, "TR": 8, "BLOCK_G": 16, "SPLIT_K": 1}),
-             ((1536, 12288), {"RR": 8, "TR": 2, "BLOCK_G": 16, "SPLIT_K": 8}),
-             ((1000, 1536), {"RR": 4, "TR": 4, "BLOCK_G": 8, "SPLIT_K": 3})]
-    l2 = l2_bytes(torch.device("cuda", torch.cuda.current_device()))
-    if not all(fits_half_l2(n, k, l2) for (n, k), _ in cases):
-        pytest.skip(f"an L2 of {l2} bytes is too small for these matrices to be prefetched")
-    for (n, k), config in cases:
-        packed, scales = random_weight(n, k, torch.bfloat16)
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        outs = []
-        for setting in ("1", "0"):
-            monkeypatch.setenv("QAT4_L2_PREFETCH", setting)
-            outs.append(wv.w4_matvec(x, packed, scales, config=config))
-        assert torch.equal(*outs), (n, k, config)
-    packed, scales = random_weight(1536, 6144, torch.bfloat16)
-    x = torch.randn(1, 6144, device="cuda", dtype=torch.bfloat16)
-    step = wr.ResidualStep(torch.randn(1, 1536, device="cuda", dtype=torch.bfloat16),
-                           torch.randn(1536, device="cuda", dtype=torch.bfloat16))
-    outs = []
-    for setting in ("1", "0"):
-        monkeypatch.setenv("QAT4_L2_PREFETCH", setting)
-        outs.append(wv.w4_matvec_residual(x, packed, scales, step, config={"RR": 2, "TR": 8, "BLOCK_G": 16,
-                                                                            "SPLIT_K": 4})[0])
-    assert torch.equal(*outs)

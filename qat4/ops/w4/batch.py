@@ -79,11 +79,12 @@ covers BLOCK_G groups, BLOCK_K = 32 * BLOCK_G columns::
   A Gluon kernel that loaded the words straight in the wgmma operand's layout and held one or two
   later steps of them in registers matched the reference but took 1,505 against 1,379 µs for a
   4-row step's products on an H200 at best (BENCHMARKS.md, 2026-12-03).
-- *L2 prefetch* (L2_PREFETCH, where W fits half the L2, with ``QAT4_L2_PREFETCH=1``:
-  :func:`~qat4.ops.w4.common.prefetches_l2`): before its PDL wait a program asks L2 for
-  its whole slice of W (:func:`~qat4.ops.w4.common.prefetch_slice`, ``prefetch.global.L2``: no
-  register holds what is in flight), so its steps' loads (with PREFETCH=0 each issued in the
-  iteration that unpacks it) find the words in L2 instead of each paying a trip to memory.
+- *L2 prefetch* (L2_PREFETCH; :func:`~qat4.ops.w4.common.prefetches_l2` turns it off with
+  ``QAT4_L2_PREFETCH=0``): before its PDL wait a program asks L2 for its whole slice of W
+  (:func:`~qat4.ops.w4.common.prefetch_slice`, ``prefetch.global.L2``: no register holds what is
+  in flight), so its steps' loads (with PREFETCH=0 each issued in the iteration that unpacks it)
+  find the words in L2 instead of each paying a trip to memory. The table asks for it where it
+  was timed faster: 64-row programs of 3 steps or more (:mod:`qat4.ops.w4.batch_tiling`).
 - *One dot per step* (ONE_DOT): the eight planes interleaved back into column order with joins
   (which keep each value in the thread that unpacked it) and one dot of K = 32 * BLOCK_G with the
   x tile as loaded, instead of eight dots of K = 4 * BLOCK_G on the eight column planes of x.

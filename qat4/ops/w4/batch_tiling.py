@@ -132,6 +132,11 @@ def _one_dot(block_m: int, block_g: int, k: int) -> int:
     return int(block_m == 16 and k // 32 <= block_g)
 
 
+def _steps(tiling: dict, g: int) -> int:
+    """Steps (BLOCK_G groups each) of one program of a tiling over G groups."""
+    return triton.cdiv(triton.cdiv(g, tiling["SPLIT_K"]), tiling["BLOCK_G"])
+
+
 def _pair_unpack(tiling: dict, g: int) -> int:
     """PAIR_UNPACK for a tiling over G groups: two weights per instruction in x.dtype (where
     :func:`~qat4.ops.w4.batch.unpacks_pairs` allows it) for tiles of 4 groups a step, and for
@@ -141,8 +146,19 @@ def _pair_unpack(tiling: dict, g: int) -> int:
     from 303.9 to 273.5 at 64, 24,576 x 1,536 from 35.4 to 30.6 at 64 rows and one-step 16-row
     products 1-10 % less, but 64-row tiles of 8 groups 3-11 % more and 16-row programs of 2-3
     steps 3-9 % more."""
-    steps = triton.cdiv(triton.cdiv(g, tiling["SPLIT_K"]), tiling["BLOCK_G"])  # of each program
-    return int(tiling["BLOCK_G"] == 4 or (tiling["BLOCK_M"] == 16 and steps == 1))
+    return int(tiling["BLOCK_G"] == 4 or (tiling["BLOCK_M"] == 16 and _steps(tiling, g) == 1))
+
+
+def _l2_prefetch(tiling: dict, n: int, k: int, l2: int) -> int:
+    """L2_PREFETCH for a tiling of W [n, k] on a GPU of ``l2`` bytes of L2: 64-row tiles whose
+    programs run at least 3 steps, over a W that fits half the L2 (:func:`fits_half_l2`). Timed
+    both ways on an H200 (`tools/bench_w4.py --rows R` with and without ``QAT4_L2_PREFETCH=1``,
+    BENCHMARKS.md, 2026-12-07): at 64 rows the prefetch took 12,288 x 1,536 (6 steps) from 21.8 to
+    19.1 µs, 1,536 x 12,288 (6) from 21.3 to 20.3, 24,576 x 1,536 (12) from 29.4 to 28.2 and
+    1,536 x 6,144 (3) from 12.7 to 12.4, while one-step programs gained nothing or lost up to 5 %;
+    at 4 rows it moved every shape by -3 to +3 %, and a 4- and 16-row decode step took 1.5 % longer
+    with it everywhere."""
+    return int(tiling["BLOCK_M"] == 64 and _steps(tiling, k // 32) >= 3 and fits_half_l2(n, k, l2))
 
 
 def batch_tiling(n: int, k: int, m: int, device=None, *, sm_count: int | None = None,
@@ -156,8 +172,12 @@ def batch_tiling(n: int, k: int, m: int, device=None, *, sm_count: int | None = 
             "ONE_DOT": _one_dot(block_m, block_g, k), "num_warps": warps, "num_stages": stages}
     sms = sm_count if sm_count is not None else _sms(device)
     tiling = dict(tile, SPLIT_K=_split_for(n, k // 32, m, tile, sms))
-    l2 = l2_bytes if l2_bytes is not None else _l2(device)
-    return dict(tiling, PAIR_UNPACK=_pair_unpack(tiling, k // 32), L2_PREFETCH=int(fits_half_l2(n, k, l2)))
+    return _with_rules(tiling, n, k, l2_bytes if l2_bytes is not None else _l2(device))
+
+
+def _with_rules(tiling: dict, n: int, k: int, l2: int) -> dict:
+    """A tiling with the table's PAIR_UNPACK and L2_PREFETCH for its tile and split."""
+    return dict(tiling, PAIR_UNPACK=_pair_unpack(tiling, k // 32), L2_PREFETCH=_l2_prefetch(tiling, n, k, l2))
 
 
 def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: int | None = None,
@@ -169,8 +189,8 @@ def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: in
     table's comes first, its ONE_DOT twin second, its PAIR_UNPACK twin third and its L2_PREFETCH
     twin fourth."""
     sms = sm_count if sm_count is not None else _sms(device)
-    g = k // 32
-    base = batch_tiling(n, k, m, sm_count=sms, l2_bytes=l2_bytes if l2_bytes is not None else _l2(device))
+    g, l2 = k // 32, l2_bytes if l2_bytes is not None else _l2(device)
+    base = batch_tiling(n, k, m, sm_count=sms, l2_bytes=l2)
     out = [base]
 
     def add(tiling):
@@ -185,8 +205,7 @@ def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: in
             for stages in (1, 2, 3):
                 add(dict(base, num_stages=stages, PREFETCH=prefetch, ONE_DOT=one_dot))
     for split in _even_splits(g, base["BLOCK_G"]):
-        split_tiling = dict(base, SPLIT_K=split)
-        add(dict(split_tiling, PAIR_UNPACK=_pair_unpack(split_tiling, g)))
+        add(_with_rules(dict(base, SPLIT_K=split), n, k, l2))
     block_m = base["BLOCK_M"]
     for block_n in (64, 128, 256):
         for block_g in (4, 8):
@@ -196,8 +215,7 @@ def batch_tiling_candidates(n: int, k: int, m: int, device=None, *, sm_count: in
                     continue
                 tile = dict(base, BLOCK_N=block_n, BLOCK_G=block_g, num_warps=warps,
                             ONE_DOT=_one_dot(block_m, block_g, k))
-                tile = dict(tile, SPLIT_K=_split_for(n, g, m, tile, sms))
-                add(dict(tile, PAIR_UNPACK=_pair_unpack(tile, g)))
+                add(_with_rules(dict(tile, SPLIT_K=_split_for(n, g, m, tile, sms)), n, k, l2))
     return out
 
 
@@ -214,8 +232,8 @@ def _table_tiling(n: int, k: int, m: int, sms: int, l2_bytes: int) -> dict:
 def resolve_tiling(config: dict | None, n: int, k: int, m: int, device) -> dict:
     """The table's tiling with the keys `config` pins, checked; a pinned tile without a pinned
     SPLIT_K gets the split rule's split for that tile, and without a pinned ONE_DOT the table's
-    rule for it, and without a pinned PAIR_UNPACK the table's rule for the tiling as pinned.
-    Without `config`, the shared table tiling."""
+    rule for it, and without a pinned PAIR_UNPACK or L2_PREFETCH the table's rules for the tiling
+    as pinned. Without `config`, the shared table tiling."""
     if not config:
         return _table_tiling(n, k, m, _sms(device), _l2(device))
     tiling = dict(_table_tiling(n, k, m, _sms(device), _l2(device)))
@@ -234,8 +252,8 @@ def resolve_tiling(config: dict | None, n: int, k: int, m: int, device) -> dict:
                          f"PREFETCH 0, 1 or 2, ONE_DOT, PAIR_UNPACK and L2_PREFETCH 0 or 1, SPLIT_K >= 1; got {tiling}")
     if "SPLIT_K" not in config and any(key in config for key in ("BLOCK_N", "BLOCK_G", "BLOCK_M", "num_warps")):
         tiling["SPLIT_K"] = _split_for(n, k // 32, m, tiling, _sms(device))
-    if "PAIR_UNPACK" not in config:  # the table's rule for the tiling as pinned
-        tiling["PAIR_UNPACK"] = _pair_unpack(tiling, k // 32)
+    rules = _with_rules(tiling, n, k, _l2(device))  # the table's rules for the tiling as pinned
+    tiling.update({key: rules[key] for key in ("PAIR_UNPACK", "L2_PREFETCH") if key not in config})
     if not _fits(n, m, tiling):
         raise ValueError(f"split-K scratch too small for {tiling} at N={n}, M={m}")
     return tiling

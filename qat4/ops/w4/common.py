@@ -8,8 +8,8 @@ argmax reduction, the L2 prefetch of a program's weights, and the host helpers t
   and the GEMM; :func:`store_tile` is the batch kernel's and the GEMM's; :func:`_softcap` the
   output layer's in the GEMV and the batch kernel.
 - :func:`argmax_reduce_kernel`: the second pass of both argmax output layers.
-- :func:`prefetch_slice`: the GEMV's and the batch kernel's slice of W asked of L2 before their
-  PDL wait, where :func:`prefetches_l2` and :func:`fits_half_l2` allow it.
+- :func:`prefetch_slice`: the batch kernel's slice of W asked of L2 before its PDL wait, where its
+  tiling, :func:`prefetches_l2` and :func:`fits_half_l2` allow it.
 """
 
 import functools
@@ -190,10 +190,10 @@ def fits_half_l2(n: int, k: int, l2: int) -> bool:
 
 
 def prefetches_l2(x: torch.Tensor) -> bool:
-    """Whether the int4 kernels may prefetch their slices of W into L2 (:func:`prefetch_slice`):
-    x on a CUDA GPU, outside the interpreter, with ``QAT4_L2_PREFETCH=1``. Off by default: what
-    it does to a decode step has not been timed yet (BENCHMARKS.md)."""
-    return x.is_cuda and not interpreting() and os.environ.get("QAT4_L2_PREFETCH", "0") == "1"
+    """Whether the decode-batch kernel may prefetch its slices of W into L2 (:func:`prefetch_slice`)
+    where its tiling says so: x on a CUDA GPU, outside the interpreter, unless
+    ``QAT4_L2_PREFETCH=0`` (for timing the two ways)."""
+    return x.is_cuda and not interpreting() and os.environ.get("QAT4_L2_PREFETCH", "1") != "0"
 
 
 def interpreting() -> bool:

@@ -22,9 +22,7 @@ values of x. A nibble ANDed out of its word and read as float bits is the subnor
 pre-scaled by 2^(100 - 4p); the -8 bias comes off as 8 * sum(x) per group, the scale once per
 group. The lane dimension is the only contiguous one of every load, which makes Triton 3.6 and
 later pick the same register layout for words and x (no shared-memory shuffles in the loop).
-The next step's loads are issued before the current step's arithmetic, and where W fits half the
-L2 (with ``QAT4_L2_PREFETCH=1``) the program asks L2 for its whole slice before its PDL wait
-(:func:`~qat4.ops.w4.common.prefetch_slice`), so those loads find it there. With SPLIT_K > 1 every
+The next step's loads are issued before the current step's arithmetic. With SPLIT_K > 1 every
 program stores an fp32 partial and the last one of a row block (a ticket counter per block) adds
 them in split order and runs the epilogue: no extra launch, deterministic.
 """
@@ -36,10 +34,7 @@ import torch
 from qat4.ops._triton import tl, triton
 from qat4.ops.norms import gelu_tanh_gate, residual_rms_norm_row
 from qat4.ops.pdl import pdl_launch, wait_for_previous_kernel
-from qat4.ops.w4.common import (
-    GELU_PAIRS, GELU_UP, PLAIN, _softcap, fits_half_l2, l2_bytes, nibble_f32, prefetch_slice, prefetches_l2, split_last,
-    unit_columns,
-)
+from qat4.ops.w4.common import GELU_PAIRS, GELU_UP, PLAIN, _softcap, nibble_f32, split_last, unit_columns
 from qat4.ops.w4.reference import ResidualStep, check
 from qat4.ops.w4.tiling import (
     MAX_PARTIALS, MAX_SLOTS, TILING_KEYS, MatvecTilings, bench, matvec_block_m, matvec_configs, prune_matvec,
@@ -150,8 +145,7 @@ def _matvec_kernel(
     M, N, G, stride_xm, stride_om, stride_um, softcap, eps,
     BLOCK_M: tl.constexpr, RR: tl.constexpr, TR: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr,
     SOFTCAP: tl.constexpr, ARGMAX: tl.constexpr, EPILOGUE: tl.constexpr, RESIDUAL: tl.constexpr,
-    HAS_S: tl.constexpr, HAS_NEXT: tl.constexpr, RES_BLOCK: tl.constexpr, L2_PREFETCH: tl.constexpr, EVEN: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_S: tl.constexpr, HAS_NEXT: tl.constexpr, RES_BLOCK: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out [M, N] = x [M, K] @ W.T for small M; K = 32 * G.
 
@@ -172,8 +166,7 @@ def _matvec_kernel(
     tail) drops the masks. With SPLIT_K > 1 the partial [BLOCK_M, RR, TR] goes to part[slot, k]
     (slot = m * cdiv(N, RR * TR) + n); a ticket from lock[slot] elects the last program, which
     adds the partials in split order, runs _matvec_epilogue and resets the ticket. With USE_PDL
-    the first step's weights are loaded before waiting for the kernel that wrote x, and with
-    L2_PREFETCH the program's whole slice of W is asked of L2 before that wait (:func:`prefetch_slice`).
+    the first step's weights are loaded before waiting for the kernel that wrote x.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -200,8 +193,6 @@ def _matvec_kernel(
     x_place = ((127 + 100 - 4 * p) << 23).to(tl.float32, bitcast=True)[None, :]  # 2^(100 - 4p)
 
     words, s = _weight_loads(w_ptr, s_ptr, w_off, s_off, w_rows < N, s_rows < N, g_begin, g_end, BLOCK_G, EVEN)
-    if L2_PREFETCH:
-        prefetch_slice(w_ptr, s_ptr, n0 + tl.arange(0, RR * TR), N, G, g_begin, g_end)
     wait_for_previous_kernel(USE_PDL)
     xa, xb, xc, xd = _x_loads(x_ptr, x_off, (ms < M)[:, None], g_begin, g_end, BLOCK_G, EVEN)
     acc = tl.zeros([BLOCK_M, RR, T], dtype=tl.float32)
@@ -307,8 +298,7 @@ def launch_matvec(x, packed, scales, out, *, idx=None, softcap=None, argmax=Fals
             m, n, kw // 4, x.stride(0), out.stride(0), 0 if up is None else up.stride(0), softcap, step.eps)
     flags = dict(BLOCK_M=block_m, SOFTCAP=softcap is not None, ARGMAX=argmax, EPILOGUE=int(epilogue),
                  RESIDUAL=residual is not None, HAS_S=step.scalar is not None, HAS_NEXT=step.next_weight is not None,
-                 RES_BLOCK=triton.next_power_of_2(n) if residual is not None else 1,
-                 L2_PREFETCH=prefetches_l2(x) and fits_half_l2(n, kw * 8, l2_bytes(x.device)), **pdl_launch(x, m))
+                 RES_BLOCK=triton.next_power_of_2(n) if residual is not None else 1, **pdl_launch(x, m))
     if config is None:
         grid = lambda meta: (triton.cdiv(n, meta["RR"] * meta["TR"]), meta["SPLIT_K"], triton.cdiv(m, block_m))
         _matvec_tuned[grid](*args, **flags)
