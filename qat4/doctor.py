@@ -50,8 +50,8 @@ GIB = 1 << 30
 DISK_WARN_GIB = 10  # below this much free disk: warn (a 16-bit E2B checkpoint does not fit)
 DISK_FAIL_GIB = 3  # below this: fail (hardly room for a 4-bit one)
 E2B_LABEL = "for Gemma 4 E2B"
-SETTINGS = ("QAT4_OPS", "QAT4_PREFILL_FP32", "QAT4_EXPAND_ROWS", "QAT4_WIDE_GEMM_ROWS", "QAT4_PDL", "QAT4_PAIR_UNPACK",
-            "QAT4_L2_PREFETCH", "TRITON_INTERPRET")  # environment that steers the compute path
+SETTINGS = ("QAT4_OPS", "QAT4_PREFILL_FP32", "QAT4_EXPAND_ROWS", "QAT4_WIDE_GEMM_ROWS", "QAT4_DENSE_ROWS", "QAT4_PDL",
+            "QAT4_PAIR_UNPACK", "QAT4_L2_PREFETCH", "TRITON_INTERPRET")  # environment that steers the compute path
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 

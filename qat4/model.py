@@ -27,7 +27,7 @@ from qat4.ops.norms import rms_norm
 from qat4.ops.qkv_prep import qk_norm_rope, qk_norm_rope_store, rope_cos_sin_cache, rope_inv_freq
 from qat4.ops.w4.dispatch import expands_products, w4_argmax, w4_linear, w4_linear_gelu, w4_linear_residual, w4_logits
 from qat4.ops.w4.embedding import w4_embedding
-from qat4.ops.w4.expanded import has_scratch, reserve_scratch
+from qat4.ops.w4.expanded import expand_matrix, has_scratch, reserve_scratch
 from qat4.ops.w4.reference import ResidualStep
 from qat4.ops.w4.tiling import MatvecTilings
 
@@ -58,6 +58,19 @@ def largest_product(config: Gemma4Config) -> int:
     rows = [2 * config.mlp_width(i) for i in layers] + [config.per_layer_width]
     rows += [(config.num_attention_heads + 2) * config.layer_head_dim(i) for i in layers]
     return max(rows) * config.hidden_size
+
+
+def dense_nbytes(config: Gemma4Config, dtype: torch.dtype) -> int:
+    """Bytes of a 16-bit copy of every matrix the layers and the per-layer projection multiply by
+    (``dense_weights``): 3.75 GB in bf16 on E2B; the embeddings and the output layer have none."""
+    layers = range(config.num_hidden_layers)
+    d = config.hidden_size
+    weights = config.per_layer_width * d
+    for i in layers:
+        head_dim, heads = config.layer_head_dim(i), config.num_attention_heads
+        weights += (heads + (2 if config.owns_kv(i) else 0)) * head_dim * d + d * heads * head_dim  # q/k/v, o_proj
+        weights += 3 * config.mlp_width(i) * d + 2 * config.hidden_size_per_layer_input * d  # gate/up, down, per-layer
+    return weights * torch.empty((), dtype=dtype).element_size()
 
 
 CUBLAS_WORKSPACE_NBYTES = 32 << 20  # what cuBLAS keeps per thread and stream on Hopper (torch's default)
@@ -129,12 +142,15 @@ class Gemma4:
     returns the final-normed hidden states; ``logits`` / ``argmax`` apply the output layer and
     softcap. With ``expand`` (the memory plan's choice) it reserves the scratch in which prompt
     products expand their matrices (:mod:`qat4.ops.w4.expanded`); without it they run the GEMM.
+    With ``dense`` (``dense_weights``) it also keeps a 16-bit copy of every matrix its products
+    multiply by (:func:`dense_nbytes`), which products of DENSE_ROWS rows or more multiply with
+    cuBLAS instead (:mod:`qat4.ops.w4.dispatch`).
     ``tilings`` holds the decode GEMV tilings it pins and those it launched
     (:class:`qat4.ops.w4.tiling.MatvecTilings`), its own: another model in the process has others.
     """
 
     def __init__(self, model: PackedModel, device: torch.device | str, dtype: torch.dtype, max_positions: int,
-                 expand: bool = False):
+                 expand: bool = False, dense: bool = False):
         cfg = self.config = model.config
         self.device, self.dtype = torch.device(device), dtype
         self.eps = cfg.rms_norm_eps
@@ -153,6 +169,11 @@ class Gemma4:
         self.rope = {kind: rope_table(cfg, kind, max_positions, self.device, dtype) for kind in set(cfg.layer_types)}
         if expand and expands_products(dtype, self.device):
             reserve_scratch(self.device, dtype, largest_product(cfg))
+        self.dense: dict[int, torch.Tensor] = {}  # id of a PackedTensor -> its 16-bit copy
+        if dense and expands_products(dtype, self.device):
+            for w in (self.ple_projection, *(getattr(layer, name) for layer in self.layers
+                                             for name in ("qkv", "o_proj", "gate_up", "down", "ple_gate", "ple_proj"))):
+                self.dense[id(w)] = expand_matrix(w.packed, w.scales, dtype)
 
     def _matrix(self, t: PackedTensor) -> PackedTensor:
         """A packed matrix on the device. fp16 group steps become bf16 under bf16 compute where
@@ -230,17 +251,17 @@ class Gemma4:
 
     def linear(self, x: torch.Tensor, w: PackedTensor) -> torch.Tensor:
         """x [T, in] @ w.T -> [T, out] straight from the packed words."""
-        return w4_linear(x, w.packed, w.scales, tilings=self.tilings)
+        return w4_linear(x, w.packed, w.scales, tilings=self.tilings, dense=self.dense.get(id(w)))
 
     def linear_gelu(self, x: torch.Tensor, w: PackedTensor, up: torch.Tensor | None = None) -> torch.Tensor:
         """gelu_tanh(x @ gate.T) * (x @ up.T) for w with alternating gate/up rows [2I, in] -> [T, I];
         or gelu_tanh(x @ w.T) * up for a given up [T, out]."""
-        return w4_linear_gelu(x, w.packed, w.scales, up, tilings=self.tilings)
+        return w4_linear_gelu(x, w.packed, w.scales, up, tilings=self.tilings, dense=self.dense.get(id(w)))
 
     def linear_residual(self, x: torch.Tensor, w: PackedTensor,
                         step: ResidualStep) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [T, in] @ w.T fed into a residual step -> (h out [T, D], next input norm [T, D] or None)."""
-        return w4_linear_residual(x, w.packed, w.scales, step, tilings=self.tilings)
+        return w4_linear_residual(x, w.packed, w.scales, step, tilings=self.tilings, dense=self.dense.get(id(w)))
 
     # ---- forward -----------------------------------------------------------------------------
 

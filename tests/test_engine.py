@@ -14,7 +14,7 @@ import torch
 
 from qat4.checkpoint.synth import write_synthetic
 from qat4.cli import main
-from qat4.config import TINY
+from qat4.config import E2B, TINY
 from qat4.engine import Engine
 from qat4.engine.engine import CheckedIds
 from qat4.errors import Qat4Error
@@ -316,6 +316,58 @@ def test_plan_takes_the_largest_chunk_and_the_most_sequences_that_fit(monkeypatc
     assert memory.plan(packed, torch.device("cpu"), EngineConfig(max_ctx=1000)).prefill_chunk == 256
     assert memory.plan(packed, torch.device("cpu"), EngineConfig(max_ctx=100)).prefill_chunk == 100
 
+
+
+def test_plan_keeps_dense_weights_only_where_asked_and_they_fit(monkeypatch):
+    """dense_weights takes its copies from what the pool, the working memory, the prompt cache and
+    the expansion scratch leave; where they do not fit, or the device has no 16-bit tensor-core
+    products (the CPU), the load stops with a sentence naming dense_weights."""
+    from qat4.checkpoint.synth import synthetic_model
+    from qat4.engine import memory
+    from qat4.engine.config import EngineConfig
+
+    packed = synthetic_model(TINY, seed=0)
+    mib = memory.MIB
+    monkeypatch.setattr(memory, "model_nbytes", lambda *a: 100 * mib)
+    monkeypatch.setattr(memory, "pool_nbytes", lambda cfg, blocks, bs, seqs, ctx, dtype: 10 * mib)
+    monkeypatch.setattr(memory, "decode_nbytes", lambda packed, seqs, spec_tokens=0: 0)
+    monkeypatch.setattr(memory, "chunk_graph_nbytes", lambda prefill_chunk: 0)
+    monkeypatch.setattr(memory, "tuning_reserve", lambda device: 0)
+    monkeypatch.setattr(memory, "expansion_nbytes", lambda cfg, dtype, device, streams=1: 1)  # cuBLAS's workspace in it
+    monkeypatch.setattr(memory, "expands_products", lambda dtype, device: True)
+    monkeypatch.setattr(memory, "dense_nbytes", lambda cfg, dtype: 500 * mib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda", 0)
+    config = EngineConfig(max_ctx=256, max_num_seqs=4, prefill_chunk=256, prompt_cache_mib=0)
+    working = 256 * memory.PREFILL_BYTES_PER_TOKEN
+    for free, fits in ((110 * mib + working + 500 * mib + 1, True), (110 * mib + working + 499 * mib + 1, False)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, 2 * free))
+        assert not memory.plan(packed, cuda, config).dense  # off unless asked for
+        if fits:
+            assert memory.plan(packed, cuda, EngineConfig.of(config, dense_weights=True)).dense
+        else:
+            with pytest.raises(Qat4Error, match="dense_weights.*499 MiB are left"):
+                memory.plan(packed, cuda, EngineConfig.of(config, dense_weights=True))
+    monkeypatch.undo()
+    with pytest.raises(Qat4Error, match="dense_weights needs a CUDA GPU"):
+        memory.plan(packed, torch.device("cpu"), EngineConfig(max_ctx=64, dense_weights=True))
+
+
+def test_dense_nbytes_counts_every_matrix_the_products_multiply_by():
+    """The plan's figure for dense_weights is the 16-bit size of exactly the matrices the model
+    keeps copies of: each layer's q/k/v, o_proj, gate/up, down and per-layer pair, and the
+    per-layer projection (KV-sharing layers without k/v rows, double-wide MLPs)."""
+    from qat4.checkpoint.synth import synthetic_model
+    from qat4.model import Gemma4, dense_nbytes
+
+    model = Gemma4(synthetic_model(TINY, seed=0), "cpu", torch.float32, 64)
+    matrices = [model.ple_projection] + [getattr(layer, name) for layer in model.layers
+                                         for name in ("qkv", "o_proj", "gate_up", "down", "ple_gate", "ple_proj")]
+    assert dense_nbytes(TINY, torch.bfloat16) == 2 * sum(w.rows * w.cols for w in matrices)
+    assert dense_nbytes(TINY, torch.float32) == 4 * sum(w.rows * w.cols for w in matrices)
+    assert not model.dense  # not asked for, and no 16-bit products on the CPU
+    assert dense_nbytes(E2B, torch.bfloat16) == 3_753_639_936  # 3.75 GB
 
 
 def test_a_build_out_of_memory_is_tried_again_with_half_as_many_sequences(monkeypatch):

@@ -30,9 +30,10 @@
 #     profile  tools/profile_step.py at 1 and 64 sequences ($PROFILE_BATCHES), and a prompt chunk of $PROFILE_CHUNK (512)
 #     attention the paged attention kernel's decode at 1, 4, 16, 64 sequences over 512 to 131,072 keys
 #              (tools/bench_attention.py)
-#     ab       the decode step at $AB_BATCH sequences (default 1,4,16,64; 512 tokens held each) as the tree is
-#              and under the setting $AB_SETTING (e.g. QAT4_PAIR_UNPACK=0), alternating, $AB_RUNS rounds (default 2):
-#              two ways of one tree timed on one machine
+#     ab       the decode step at $AB_BATCH sequences (default 1,4,16,64; 512 tokens held each) and a 512-token
+#              prompt, as the tree is and under the setting $AB_SETTING (e.g. QAT4_PAIR_UNPACK=0) and/or with the
+#              bench arguments $AB_ARGS (e.g. --dense-weights), alternating, $AB_RUNS rounds (default 2): two ways
+#              of one tree timed on one machine
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; LOGS=${LOGS:-/tmp/qat4_logs}; mkdir -p "$OUT" "$LOGS"
@@ -148,15 +149,18 @@ if want profile; then
     done
 fi
 if want ab; then
-    if [ -z "${AB_SETTING:-}" ]; then
-        echo "ab: name the setting to time against, e.g. AB_SETTING=QAT4_PAIR_UNPACK=0"
+    if [ -z "${AB_SETTING:-}${AB_ARGS:-}" ]; then
+        echo "ab: name the setting or bench arguments to time against, e.g. AB_SETTING=QAT4_PAIR_UNPACK=0 or AB_ARGS=--dense-weights"
     else
         for round in $(seq ${AB_RUNS:-2}); do
-            for setting in "" "$AB_SETTING"; do
-                echo "== round $round, ${setting:-as the tree is}: batch, context, decode tok/s, ms a step"
+            for arm in tree other; do
+                setting=""; args=""
+                [ $arm = other ] && { setting="${AB_SETTING:-}"; args="${AB_ARGS:-}"; }
+                label="$setting $args"; label="${label# }"; label="${label% }"
+                echo "== round $round, ${label:-as the tree is}: batch, context, decode tok/s, ms a step"
                 env $setting timeout 200 python3 -m qat4.cli bench "${E2B[@]}" --depths 0 --new 128 --prompt 512 \
-                    --batch ${AB_BATCH:-1,4,16,64} --batch-context 512 2>&1 | tee -a "$LOGS/ab.log" \
-                    | grep -E "^ +[0-9]+ +[0-9]+ +[0-9,.]+ +[0-9.]+$"
+                    --batch ${AB_BATCH:-1,4,16,64} --batch-context 512 $args 2>&1 | tee -a "$LOGS/ab.log" \
+                    | grep -E "^ +[0-9]+ +[0-9]+ +[0-9,.]+ +[0-9.]+$|prompt 512"
             done
         done
     fi

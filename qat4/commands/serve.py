@@ -56,6 +56,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="memory kept for the prompt cache's restart windows beside the running sequences; "
                         "a request whose beginning an earlier one read reuses its KV (default: 64, less if memory "
                         "is short; 0 turns the cache off)")
+    p.add_argument("--dense-weights", action="store_true",
+                   help="keep a 16-bit copy of every layer matrix on the GPU (3.75 GB on E2B) for products of many "
+                        "rows: 64-row decode steps and prompt chunks (default: off)")
     add_speculative_arguments(p)
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
                    help=f"requests that may wait to join the batch; more get 429 (default: {DEFAULT_MAX_QUEUE})")
@@ -186,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
 
     engine = load_engine("serve", args.model, device, max_ctx=args.max_ctx, memory_cap_mib=args.memory_cap_mib,
                          max_num_seqs=args.max_num_seqs, kv_tokens=args.kv_tokens, prompt_cache_mib=args.prompt_cache_mib,
-                         **speculative)
+                         dense_weights=args.dense_weights, **speculative)
     limits = RequestLimits.for_context(engine.max_ctx, max_messages=args.max_messages, max_tools=args.max_tools,
                                        max_prompt_chars=args.max_prompt_chars)
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
@@ -197,7 +200,9 @@ def run(args: argparse.Namespace) -> int:
           file=sys.stderr)
     print(f"qat4 serve: KV pool: {engine.pool.capacity_tokens} tokens, up to {engine.max_num_seqs} sequences "
           f"({engine.nbytes['kv_cache'] / (1 << 20):,.0f} MiB); prompts read {engine.prefill_chunk} tokens a step; "
-          f"prompt cache {'on' if engine.pool.prompt_cache else 'off'}", file=sys.stderr)
+          f"prompt cache {'on' if engine.pool.prompt_cache else 'off'}"
+          + (f"; 16-bit weight copies {engine.nbytes['dense'] / (1 << 20):,.0f} MiB" if engine.nbytes.get("dense") else ""),
+          file=sys.stderr)
     if engine.speculator is not None:
         drafter = engine.nbytes.get("drafter")
         size = f" (the drafter: {drafter / (1 << 20):,.0f} MiB)" if drafter else ""

@@ -70,7 +70,7 @@ def build_engine(engine_class: type[Engine], packed: PackedModel, device: str | 
 
 def _build(engine_class: type[Engine], packed: PackedModel, device: torch.device, resolved: Plan,
            config: EngineConfig, tokenizer, assistant=None) -> Engine:
-    model = Gemma4(packed, device, resolved.dtype, resolved.max_ctx, expand=resolved.expand)
+    model = Gemma4(packed, device, resolved.dtype, resolved.max_ctx, expand=resolved.expand, dense=resolved.dense)
     pool = KVPool(packed.config, resolved.blocks, block_size=config.block_size,
                   max_seqs=resolved.max_num_seqs, max_ctx=resolved.max_ctx, device=device, dtype=resolved.dtype,
                   prompt_cache=resolved.prompt_cache, window=resolved.window)

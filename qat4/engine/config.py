@@ -45,7 +45,11 @@ class EngineConfig:
     (prompt lookup) or "mtp:PATH" (Gemma 4's MTP drafter from a folder or Hub model id,
     :mod:`qat4.engine.mtp`); None: off. spec_tokens: the most draft tokens a sequence feeds per step (1 to
     8, default 4). spec_adaptive: pick each step's draft count from the measured step costs and
-    acceptance (default); False drafts spec_tokens every step, for measurements.
+    acceptance (default); False drafts spec_tokens every step, for measurements. dense_weights:
+    on CUDA with 16-bit tensor-core products, also keep a 16-bit copy of every layer matrix (3.75 GB
+    in bf16 on E2B), which products of many rows (64-row decode steps, prompt chunks) multiply with
+    cuBLAS instead of the packed words (:mod:`qat4.ops.w4.dispatch`); the load fails with a clear
+    message where it does not fit beside the KV pool.
     """
 
     dtype: torch.dtype | None = None
@@ -60,6 +64,7 @@ class EngineConfig:
     speculative: str | None = None
     spec_tokens: int = 4
     spec_adaptive: bool = True
+    dense_weights: bool = False
 
     def __post_init__(self):
         for name in ("max_ctx", "max_num_seqs", "prefill_chunk", "kv_tokens"):

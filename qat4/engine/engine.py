@@ -156,8 +156,11 @@ class Engine:
 
     @property
     def nbytes(self) -> dict[str, int]:
-        """Device memory by part: weights and tables, KV pool, and the MTP drafter's weights when it drafts."""
+        """Device memory by part: weights and tables, KV pool, the 16-bit weight copies when the model
+        keeps them (``dense_weights``), and the MTP drafter's weights when it drafts."""
         parts = {"model": self.model.nbytes, "kv_cache": self.pool.nbytes}
+        if self.model.dense:
+            parts["dense"] = sum(w.numel() * w.element_size() for w in self.model.dense.values())
         if self.assistant is not None:
             parts["drafter"] = self.assistant.nbytes
         return parts

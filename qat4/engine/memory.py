@@ -7,7 +7,9 @@ CUDA graphs the padded prompt steps' graphs); then the prompt chunk's working me
 buffer, the largest of AUTO_PREFILL_CHUNKS that fits; the prompt cache's extra sliding blocks
 (``prompt_cache_mib``: by default as much of DEFAULT_PROMPT_CACHE_MIB as is left); last, where
 prompt products can take it and it fits in what is left, the scratch of
-:mod:`qat4.ops.w4.expanded` (``expand``; without it they run the prefill GEMM).
+:mod:`qat4.ops.w4.expanded` (``expand``; without it they run the prefill GEMM); with
+``dense_weights``, a 16-bit copy of every layer matrix (:func:`qat4.model.dense_nbytes`), an error
+where it does not fit in what is left.
 Without an explicit ``max_num_seqs``, as many sequences as fit with that working memory (up to the
 default), else as many as fit without it; the model, the pool and the decode rows that do not fit
 are an error, and so is an explicit prompt cache that does not fit.
@@ -27,7 +29,8 @@ from qat4.engine.config import MAX_CTX_DEFAULT, EngineConfig
 from qat4.engine.graphs import chunk_graph_sizes, graph_sizes
 from qat4.engine.kv_cache import block_nbytes, pool_blocks, pool_nbytes, spec_lookahead
 from qat4.errors import Qat4Error
-from qat4.model import CUBLAS_WORKSPACE_NBYTES, expansion_nbytes
+from qat4.model import CUBLAS_WORKSPACE_NBYTES, dense_nbytes, expansion_nbytes
+from qat4.ops.w4.dispatch import expands_products
 
 MIB = 1 << 20
 AUTO_PREFILL_CHUNKS = (4096, 2048, 1024, 512, 256)  # prefill_chunk=None picks the largest that fits (CUDA)
@@ -50,6 +53,7 @@ class Plan:
     prompt_cache: bool = True
     window: int | None = None  # sliding positions the KV pool keeps per query (None: the model's window)
     expand: bool = False  # whether prompt products expand W into a scratch (qat4.ops.w4.expanded)
+    dense: bool = False  # whether the model keeps a 16-bit copy of every layer matrix (dense_weights)
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -184,6 +188,9 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig,
                              block_size=bs, cache_blocks=cache, lookahead=spec_lookahead(spec_tokens), window=window)
         return blocks, pool_nbytes(cfg, blocks, bs, seqs, max_ctx, dtype)
 
+    if config.dense_weights and not expands_products(dtype, device):
+        raise Qat4Error(f"dense_weights needs a CUDA GPU multiplying {str(dtype).removeprefix('torch.')} on "
+                        f"tensor cores; {device} does not")
     if device.type != "cuda":
         seqs = int(config.max_num_seqs or DEFAULT_MAX_NUM_SEQS["cpu"])
         chunk = int(config.prefill_chunk or min(AUTO_PREFILL_CHUNKS[-1], max_ctx))
@@ -225,4 +232,13 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig,
         )
     expansion = expansion_nbytes(cfg, dtype, device, streams=3 if config.cuda_graph else 1)
     expand = 0 < expansion <= room - cache_blocks * sliding_nbytes
-    return Plan(dtype, max_ctx, seqs, chunk, kv_tokens, kv(seqs, chunk, cache_blocks)[0], cap, on, window, expand)
+    left = room - cache_blocks * sliding_nbytes - (expansion if expand else 0)
+    copies = dense_nbytes(cfg, dtype) + (0 if expand else (3 if config.cuda_graph else 1) * CUBLAS_WORKSPACE_NBYTES)
+    if config.dense_weights and copies > left:
+        raise Qat4Error(
+            f"16-bit copies of the weights ({copies / MIB:,.0f} MiB with cuBLAS's workspace, dense_weights) do not fit beside "
+            f"the model, the KV pool and their working memory{cap_text(config.memory_cap_mib)}; "
+            f"{max(0, left) / MIB:,.0f} MiB are left: lower kv_tokens or max_ctx, or leave dense_weights off"
+        )
+    return Plan(dtype, max_ctx, seqs, chunk, kv_tokens, kv(seqs, chunk, cache_blocks)[0], cap, on, window, expand,
+                config.dense_weights)

@@ -177,3 +177,21 @@ def test_residual_epilogue_at_e2b_shapes(n, k, dtype):
         captured.zero_()
         graph.replay()
         assert torch.equal(captured, w4.w4_linear_residual(x, packed, scales, step)[0])
+
+
+@pytest.mark.parametrize("n,k", [(2560, 1536), (1536, 6144), (24576, 1536)])
+def test_a_kept_16_bit_copy_is_the_matrix_the_expanded_product_multiplies(n, k):
+    """``dense_weights``' copy (expand_matrix) against W expanded into the scratch at prompt rows:
+    the same products bit for bit, plain and gated; at 64 rows the copy on cuBLAS against the batch
+    kernel within bf16 rounding."""
+    packed, scales = random_weight(n, k, torch.bfloat16)
+    copy = wx.expand_matrix(packed, scales, torch.bfloat16)
+    assert torch.equal(copy, we.w4_expand_rows_reference(packed, scales, torch.empty_like(copy)))
+    x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(wx.w4_expanded_matmul(x, packed, scales, dense=copy), wx.w4_expanded_matmul(x, packed, scales))
+    assert torch.equal(wx.w4_expanded_matmul(x, packed, scales, gelu=True, dense=copy),
+                       wx.w4_expanded_matmul(x, packed, scales, gelu=True))
+    x = x[:64]
+    ours = w4.w4_linear(x, packed, scales, dense=copy)
+    assert w4._kernel(x, packed, copy) == "dense"
+    assert rel_err(ours, w4.w4_linear(x, packed, scales)) < MATMUL_TOL[torch.bfloat16]

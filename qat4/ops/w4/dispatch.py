@@ -9,6 +9,12 @@
   shape timed alone, where the GEMV beat the batch kernel at every shape);
 - the decode-batch tensor-core product (:mod:`qat4.ops.w4.batch`) up to BATCH_ROWS rows: many
   sequences decoding together;
+- from DENSE_ROWS rows, where the caller keeps a 16-bit copy of W (``dense``: a model loaded with
+  ``dense_weights``), that copy multiplied by cuBLAS (:mod:`qat4.ops.w4.expanded`), which skips
+  the expansion's write and read of 2NK bytes. At 64 rows on an H200 the batch kernel reads W at
+  12 % of the copy bandwidth (2,224 µs for a step's layer products), and W expanded then multiplied
+  took 2,973 µs, of which the copy saves the expansion (BENCHMARKS.md, 2026-12-07); whether the copy
+  beats the batch kernel there is to be timed;
 - from EXPAND_ROWS rows (by default: beyond BATCH_ROWS) of 16-bit x on a GPU with tensor cores,
   when a scratch that holds W is reserved (the model's load does, where its memory plan has room),
   W expanded into it and multiplied by cuBLAS (:mod:`qat4.ops.w4.expanded`): prompt chunks, and
@@ -27,7 +33,8 @@ records nothing. The output layer's GEMV launches on a fixed tiling and takes no
 
 The boundaries come from timing the kernels at E2B's shapes on an H200
 (``tools/bench_w4.py --rows R``, BENCHMARKS.md); ``QAT4_GEMV_ROWS=N``, ``QAT4_EXPAND_ROWS=N`` and
-``QAT4_WIDE_GEMM_ROWS=N`` move them (read when this module is imported), e.g. to time a step both ways.
+``QAT4_WIDE_GEMM_ROWS=N`` and ``QAT4_DENSE_ROWS=N`` move them (read when this module is imported),
+e.g. to time a step both ways.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ BATCH_ROWS = 128  # the decode-batch kernel up to this many; the prefill GEMM be
 WIDE_GEMM_ROWS = int(os.environ.get("QAT4_WIDE_GEMM_ROWS", "33"))  # a wide W's product on the GEMM from this many
 WIDE_N, WIDE_K = 8192, 2048  # a wide W: at least WIDE_N rows of at most WIDE_K columns
 EXPAND_ROWS = int(os.environ.get("QAT4_EXPAND_ROWS", str(BATCH_ROWS + 1)))  # the expanded product from this many
+DENSE_ROWS = int(os.environ.get("QAT4_DENSE_ROWS", "33"))  # a kept 16-bit copy of W multiplied from this many
 
 
 def _expandable(dtype: torch.dtype, device: torch.device) -> bool:
@@ -61,13 +69,16 @@ def _expandable(dtype: torch.dtype, device: torch.device) -> bool:
     return torch.device(device).type == "cuda" and not multiplies_in_fp32(dtype, device)
 
 
-def _kernel(x: torch.Tensor, packed: torch.Tensor | None = None) -> str:
-    """The kernel for x [M, K] times W (``packed``; None: the output layer, never expanded)."""
+def _kernel(x: torch.Tensor, packed: torch.Tensor | None = None, dense: torch.Tensor | None = None) -> str:
+    """The kernel for x [M, K] times W (``packed``; None: the output layer, never expanded; ``dense``:
+    a 16-bit copy of W the caller keeps, or None)."""
     if not use_triton(x):
         return "reference"
     m = x.shape[0]
     if m <= min(GEMV_ROWS, MAX_MATVEC_ROWS):
         return "gemv"
+    if dense is not None and m >= DENSE_ROWS and _expandable(x.dtype, x.device):
+        return "dense"
     if (packed is not None and m >= EXPAND_ROWS and _expandable(x.dtype, x.device)
             and has_scratch(x.device, x.dtype, packed.numel() * 8)):
         return "expanded"
@@ -83,13 +94,15 @@ def expands_products(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *,
-              tilings: MatvecTilings | None = None) -> torch.Tensor:
-    """x [..., K] @ W.T -> [..., N] in x.dtype; ``tilings`` as the module docstring says. See
-    :func:`qat4.ops.w4.reference.w4_linear_reference`."""
+              tilings: MatvecTilings | None = None, dense: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T -> [..., N] in x.dtype; ``tilings`` and ``dense`` as the module docstring
+    says. See :func:`qat4.ops.w4.reference.w4_linear_reference`."""
     x2 = x.reshape(-1, x.shape[-1])
-    kernel = _kernel(x2, packed)
+    kernel = _kernel(x2, packed, dense)
     if kernel == "gemv":
         y = w4_matvec(x2, packed, scales, tilings=tilings)
+    elif kernel == "dense":
+        y = w4_expanded_matmul(x2, packed, scales, dense=dense)
     else:
         fn = {"reference": w4_linear_reference, "batch": w4_batch_linear, "gemm": w4_matmul,
               "expanded": w4_expanded_matmul}[kernel]
@@ -98,10 +111,13 @@ def w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *,
 
 
 def w4_linear_gelu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                   up: torch.Tensor | None = None, *, tilings: MatvecTilings | None = None) -> torch.Tensor:
-    """GELU-gated linear layer on x [T, K], the gate in the kernel's epilogue; ``tilings`` as the
-    module docstring says. See :func:`qat4.ops.w4.reference.w4_linear_gelu_reference`."""
-    kernel = _kernel(x, packed)
+                   up: torch.Tensor | None = None, *, tilings: MatvecTilings | None = None,
+                   dense: torch.Tensor | None = None) -> torch.Tensor:
+    """GELU-gated linear layer on x [T, K], the gate in the kernel's epilogue; ``tilings`` and
+    ``dense`` as the module docstring says. See :func:`qat4.ops.w4.reference.w4_linear_gelu_reference`."""
+    kernel = _kernel(x, packed, dense)
+    if kernel == "dense":
+        return w4_expanded_matmul(x, packed, scales, gelu=True, up=up, dense=dense)
     if kernel in ("gemm", "expanded"):
         return (w4_matmul if kernel == "gemm" else w4_expanded_matmul)(x, packed, scales, gelu=True, up=up)
     if kernel == "gemv":
@@ -110,18 +126,22 @@ def w4_linear_gelu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 
 
 def w4_linear_residual(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, residual: ResidualStep, *,
-                       tilings: MatvecTilings | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       tilings: MatvecTilings | None = None,
+                       dense: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A linear layer on x [T, K] feeding a residual step: fused into the GEMV, else the product
     then :func:`qat4.ops.norms.residual_rms_norm_triton` (run in the batch kernel's last program
     instead, the step on an H200 took 145 / 310 / 664 µs longer at 2 / 4 / 8 rows: BENCHMARKS.md,
-    2026-12-03); ``tilings`` as the module docstring says. See
+    2026-12-03); ``tilings`` and ``dense`` as the module docstring says. See
     :func:`qat4.ops.w4.reference.w4_linear_residual_reference`."""
-    kernel = _kernel(x, packed)
+    kernel = _kernel(x, packed, dense)
     if kernel == "reference":
         return w4_linear_residual_reference(x, packed, scales, residual)
     if kernel == "gemv":
         return w4_matvec_residual(x, packed, scales, residual, tilings=tilings)
-    y = {"batch": w4_batch_linear, "gemm": w4_matmul, "expanded": w4_expanded_matmul}[kernel](x, packed, scales)
+    if kernel == "dense":
+        y = w4_expanded_matmul(x, packed, scales, dense=dense)
+    else:
+        y = {"batch": w4_batch_linear, "gemm": w4_matmul, "expanded": w4_expanded_matmul}[kernel](x, packed, scales)
     return residual_rms_norm_triton(residual.h, y, residual.weight, residual.scalar, residual.next_weight, residual.eps)
 
 

@@ -11,7 +11,9 @@ The weights stay packed in memory: one matrix at a time exists in 16 bits, in a 
 device and dtype (:func:`reserve_scratch`) that the model reserves at load for its largest matrix
 (72 MiB in bf16 on E2B: the merged gate/up of its double-wide MLPs) where the memory plan has room
 for it and for a cuBLAS workspace; without one (a tight memory cap) prompt products run the
-prefill GEMM.
+prefill GEMM. Unless the model keeps a 16-bit copy of every matrix (``dense_weights``, 3.75
+GB on E2B, :func:`expand_matrix`): then the products it sends here multiply that copy, and
+nothing is expanded while they run.
 
 Rounding: each weight is rounded to x.dtype once (:func:`~qat4.ops.w4.embedding.w4_expand_rows_triton`,
 as the GEMM and the decode-batch kernel round it), cuBLAS accumulates in fp32 (torch's default lets
@@ -61,19 +63,30 @@ def has_scratch(device: torch.device, dtype: torch.dtype, numel: int) -> bool:
     return scratch is not None and scratch.numel() >= numel
 
 
+def expand_matrix(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] in ``dtype``, each weight rounded once: a copy a model keeps beside the packed
+    words (``dense_weights``) for :func:`w4_expanded_matmul`'s ``dense``."""
+    w = torch.empty(packed.shape[0], packed.shape[1] * 8, dtype=dtype, device=packed.device)
+    return w4_expand_rows_triton(packed, scales, w)
+
+
 def w4_expanded_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *, gelu: bool = False,
-                       up: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (16-bit) @ W.T -> [M, N] in x.dtype, W expanded into the scratch and multiplied by
-    cuBLAS; with ``gelu`` the GELU gate afterwards as :func:`~qat4.ops.w4.gemm.w4_matmul` has it
-    in its epilogue (W's rows alternating gate and up -> [M, N / 2], or gelu(y) * up [M, N])."""
+                       up: torch.Tensor | None = None, dense: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (16-bit) @ W.T -> [M, N] in x.dtype, W expanded into the scratch (or ``dense``, W
+    [N, K] in x.dtype as :func:`expand_matrix` gives it) and multiplied by cuBLAS; with ``gelu``
+    the GELU gate afterwards as :func:`~qat4.ops.w4.gemm.w4_matmul` has it in its epilogue (W's
+    rows alternating gate and up -> [M, N / 2], or gelu(y) * up [M, N])."""
     check(x, packed, scales)
     if gelu:
         check_gelu(x, packed, up)
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"the expanded product multiplies 16-bit activations, got {x.dtype}")
     k, n = x.shape[1], packed.shape[0]
-    w = reserve_scratch(x.device, x.dtype, n * k)[: n * k].view(n, k)
-    y = torch.mm(x, w4_expand_rows_triton(packed, scales, w).t())
+    if dense is None:
+        dense = w4_expand_rows_triton(packed, scales, reserve_scratch(x.device, x.dtype, n * k)[: n * k].view(n, k))
+    elif dense.shape != (n, k) or dense.dtype != x.dtype:
+        raise ValueError(f"dense is {tuple(dense.shape)} {dense.dtype}; W is [{n}, {k}] and x {x.dtype}")
+    y = torch.mm(x, dense.t())
     if not gelu:
         return y
     return gelu_tanh_mul_triton(y[:, 0::2], y[:, 1::2]) if up is None else gelu_tanh_mul_triton(y, up)
