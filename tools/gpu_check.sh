@@ -13,7 +13,7 @@
 #     bench    qat4 bench: decode by depth, prompt, batched decode at 1, 4, 16, 64 sequences
 #     cap      qat4 bench under --memory-cap-mib 3732 with 131,072 tokens held
 #     tune     qat4 bench --tune (saves decode tilings to $LOGS/decode_tilings.json, used by later steps)
-#     serve    qat4 bench serve at 1, 4, 16, 64 clients (512-token prompts, 128 new tokens)
+#     serve    qat4 bench serve at 1, 4, 16, 64 clients (512-token prompts, 128 new tokens); $SERVE_ARGS go to qat4 serve
 #     load     the same closed-loop load on the engine alone, at 16 and 64 clients (tools/engine_load.py)
 #     overhead the server app over a paced engine at the engine's step times, on this host's CPUs (tools/serve_overhead.py)
 #     turns    qat4 bench serve --multi-turn: 1, then 8 conversations of 10 turns over an 8,000-word history,
@@ -96,7 +96,7 @@ if want cap; then
 fi
 if want serve; then
     timeout 500 python3 -m qat4.cli bench serve "${E2B[@]}" --concurrency 1,4,16,64 --input-len 512 --output-len 128 \
-        --json "$LOGS/bench_serve.json" --plot "$LOGS/bench_serve.png" \
+        ${SERVE_ARGS:+--server-args="$SERVE_ARGS"} --json "$LOGS/bench_serve.json" --plot "$LOGS/bench_serve.png" \
         --compare llama.cpp=1:357,4:1177,16:2424,64:5222 2>&1 | tee "$LOGS/bench_serve.log" | tail -14
 fi
 if want load; then

@@ -189,8 +189,8 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig,
         return blocks, pool_nbytes(cfg, blocks, bs, seqs, max_ctx, dtype)
 
     if config.dense_weights and not expands_products(dtype, device):
-        raise Qat4Error(f"dense_weights needs a CUDA GPU multiplying {str(dtype).removeprefix('torch.')} on "
-                        f"tensor cores; {device} does not")
+        raise Qat4Error(f"dense_weights needs a CUDA GPU with tensor-core products of bf16 or fp16 activations; "
+                        f"{device} in {str(dtype).removeprefix('torch.')} has none")
     if device.type != "cuda":
         seqs = int(config.max_num_seqs or DEFAULT_MAX_NUM_SEQS["cpu"])
         chunk = int(config.prefill_chunk or min(AUTO_PREFILL_CHUNKS[-1], max_ctx))
