@@ -66,6 +66,7 @@ class BenchReport:
     batches: list[BatchResult] = field(default_factory=list)
     peak_mib: float = 0.0
     memory_cap_mib: float | None = None
+    dense_mib: float = 0.0  # the 16-bit weight copies (dense_weights), 0 without them
     peers: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -215,6 +216,7 @@ def run(engine: Engine, model_name: str, depths: list[int], new: int, prompt: in
         kv_cache_mib=engine.nbytes["kv_cache"] / MIB, max_ctx=engine.max_ctx, prompt_tokens=prompt,
         prompt_tok_s=prompt_tok_s, ttft_ms=ttft, prefill_chunk=engine.prefill_chunk, memory_cap_mib=memory_cap_mib,
         kv_tokens=engine.pool.capacity_tokens, max_num_seqs=engine.max_num_seqs,
+        dense_mib=engine.nbytes.get("dense", 0) / MIB,
     )
     for depth in depths:
         depth = min(depth, engine.max_ctx - decode_tokens(new))
@@ -236,7 +238,9 @@ def _device_name(device: torch.device) -> str:
 def format_table(report: BenchReport) -> str:
     lines = [
         f"model {report.model} on {report.device} ({report.dtype}), read bandwidth {report.read_bandwidth_gb_s:,.0f} GB/s",
-        f"model {report.model_mib:,.0f} MiB, KV pool {report.kv_cache_mib:,.0f} MiB ({report.kv_tokens:,} tokens, "
+        f"model {report.model_mib:,.0f} MiB"
+        + (f" and its 16-bit copies {report.dense_mib:,.0f} MiB (dense_weights)" if report.dense_mib else "")
+        + f", KV pool {report.kv_cache_mib:,.0f} MiB ({report.kv_tokens:,} tokens, "
         f"up to {report.max_num_seqs} sequences of up to {report.max_ctx:,}), "
         f"peak {report.peak_mib:,.0f} MiB" + (f" (cap {report.memory_cap_mib:g} MiB)" if report.memory_cap_mib else ""),
         f"prompt {report.prompt_tokens:,} tokens in chunks of {report.prefill_chunk:,}: {report.prompt_tok_s:,.0f} tok/s, "

@@ -318,10 +318,11 @@ def test_plan_takes_the_largest_chunk_and_the_most_sequences_that_fit(monkeypatc
 
 
 
-def test_plan_keeps_dense_weights_only_where_asked_and_they_fit(monkeypatch):
-    """dense_weights takes its copies from what the pool, the working memory, the prompt cache and
-    the expansion scratch leave; where they do not fit, or the device has no 16-bit tensor-core
-    products (the CPU), the load stops with a sentence naming dense_weights."""
+def test_plan_claims_dense_weights_with_the_model(monkeypatch):
+    """dense_weights' copies and cuBLAS's workspaces are claimed beside the model, before the pool
+    and the working memory, and no expansion scratch is kept with them; a load they do not fit
+    beside, or a device without 16-bit tensor-core products (the CPU), stops with a sentence
+    naming dense_weights."""
     from qat4.checkpoint.synth import synthetic_model
     from qat4.engine import memory
     from qat4.engine.config import EngineConfig
@@ -333,24 +334,28 @@ def test_plan_keeps_dense_weights_only_where_asked_and_they_fit(monkeypatch):
     monkeypatch.setattr(memory, "decode_nbytes", lambda packed, seqs, spec_tokens=0: 0)
     monkeypatch.setattr(memory, "chunk_graph_nbytes", lambda prefill_chunk: 0)
     monkeypatch.setattr(memory, "tuning_reserve", lambda device: 0)
-    monkeypatch.setattr(memory, "expansion_nbytes", lambda cfg, dtype, device, streams=1: 1)  # cuBLAS's workspace in it
+    monkeypatch.setattr(memory, "expansion_nbytes", lambda cfg, dtype, device, streams=1: 75 * mib)
     monkeypatch.setattr(memory, "expands_products", lambda dtype, device: True)
     monkeypatch.setattr(memory, "dense_nbytes", lambda cfg, dtype: 500 * mib)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda", 0)
     config = EngineConfig(max_ctx=256, max_num_seqs=4, prefill_chunk=256, prompt_cache_mib=0)
-    working = 256 * memory.PREFILL_BYTES_PER_TOKEN
-    for free, fits in ((110 * mib + working + 500 * mib + 1, True), (110 * mib + working + 499 * mib + 1, False)):
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, 2 * free))
-        assert not memory.plan(packed, cuda, config).dense  # off unless asked for
-        if fits:
-            assert memory.plan(packed, cuda, EngineConfig.of(config, dense_weights=True)).dense
-        else:
-            with pytest.raises(Qat4Error, match="dense_weights.*499 MiB are left"):
-                memory.plan(packed, cuda, EngineConfig.of(config, dense_weights=True))
+    dense = EngineConfig.of(config, dense_weights=True)
+    needed = 110 * mib + 256 * memory.PREFILL_BYTES_PER_TOKEN  # model, pool, working memory
+    workspaces = 3 * memory.CUBLAS_WORKSPACE_NBYTES  # the engine's stream, warm-up and capture
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10**11, 2 * 10**11))
+    plain, kept = memory.plan(packed, cuda, config), memory.plan(packed, cuda, dense)
+    assert (plain.dense, plain.expand) == (False, True) and (kept.dense, kept.expand) == (True, False)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (needed + 500 * mib + workspaces, 10**11))
+    assert memory.plan(packed, cuda, dense).dense
+    short = 110 * mib + 500 * mib + workspaces - 1  # the model and the pool fit, but not beside the copies
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (short, 10**11))
+    assert memory.plan(packed, cuda, config).max_num_seqs == 4
+    with pytest.raises(Qat4Error, match=r"do not fit in GPU memory beside 16-bit copies .*500 MiB, dense_weights"):
+        memory.plan(packed, cuda, dense)
     monkeypatch.undo()
-    with pytest.raises(Qat4Error, match="dense_weights needs a CUDA GPU"):
+    with pytest.raises(Qat4Error, match="dense_weights needs 16-bit tensor-core products"):
         memory.plan(packed, torch.device("cpu"), EngineConfig(max_ctx=64, dense_weights=True))
 
 
@@ -368,6 +373,39 @@ def test_dense_nbytes_counts_every_matrix_the_products_multiply_by():
     assert dense_nbytes(TINY, torch.float32) == 4 * sum(w.rows * w.cols for w in matrices)
     assert not model.dense  # not asked for, and no 16-bit products on the CPU
     assert dense_nbytes(E2B, torch.bfloat16) == 3_753_639_936  # 3.75 GB
+
+
+def test_a_model_with_dense_weights_hands_each_product_its_own_copy(monkeypatch):
+    """With ``dense``, Gemma4 keeps one copy per matrix its products multiply by (those dense_nbytes
+    counts), and every product of a generation gets its own matrix's copy."""
+    import qat4.model as model_module
+    from qat4.checkpoint.synth import synthetic_model
+    from qat4.ops.w4.embedding import w4_expand_rows_reference
+
+    def expand(packed, scales, dtype):
+        return w4_expand_rows_reference(packed, scales, torch.empty(packed.shape[0], packed.shape[1] * 8, dtype=dtype))
+
+    def matrices(model):
+        return [model.ple_projection] + [getattr(layer, name) for layer in model.layers
+                                         for name in ("qkv", "o_proj", "gate_up", "down", "ple_gate", "ple_proj")]
+
+    monkeypatch.setattr(model_module, "expands_products", lambda dtype, device: True)
+    monkeypatch.setattr(model_module, "expand_matrix", expand)
+    engine = Engine.from_packed(synthetic_model(TINY, seed=0), "cpu", max_ctx=64)
+    model = model_module.Gemma4(synthetic_model(TINY, seed=0), "cpu", torch.float32, 64, dense=True)
+    assert set(model.dense) == {id(w) for w in matrices(model)}
+    assert sum(c.numel() * 2 for c in model.dense.values()) == model_module.dense_nbytes(TINY, torch.bfloat16)
+    engine.model.dense = {id(w): expand(w.packed, w.scales, torch.float32) for w in matrices(engine.model)}
+    copies = {w.packed.data_ptr(): engine.model.dense[id(w)] for w in matrices(engine.model)}
+    handed = []
+    for name in ("w4_linear", "w4_linear_gelu", "w4_linear_residual"):
+        def spy(x, packed, scales, *args, real=getattr(model_module, name), dense=None, **kw):
+            handed.append(dense is copies.get(packed.data_ptr(), False))
+            return real(x, packed, scales, *args, **kw)
+
+        monkeypatch.setattr(model_module, name, spy)
+    engine.generate([2, 5, 7, 9], max_new_tokens=2, temperature=0)
+    assert len(handed) >= 7 * TINY.num_hidden_layers and all(handed)
 
 
 def test_a_build_out_of_memory_is_tried_again_with_half_as_many_sequences(monkeypatch):

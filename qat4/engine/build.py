@@ -20,7 +20,7 @@ import torch
 from qat4.checkpoint.packed_model import PackedModel
 from qat4.engine.config import EngineConfig
 from qat4.engine.kv_cache import KVPool
-from qat4.engine.memory import MIB, Plan, cap_text, model_nbytes, plan
+from qat4.engine.memory import MIB, Plan, cap_text, dense_text, model_nbytes, plan
 from qat4.engine.speculation import PromptLookup
 from qat4.engine.tuning import tilings_for
 from qat4.engine.warmup import reserve_workspace
@@ -59,7 +59,8 @@ def build_engine(engine_class: type[Engine], packed: PackedModel, device: str | 
                     f"the model ({model_nbytes(packed, resolved.max_ctx, resolved.dtype) / MIB:,.0f} MiB), a KV pool of "
                     f"{resolved.kv_tokens} tokens for {resolved.max_num_seqs} sequences and the prefill workspace for "
                     f"chunks of {resolved.prefill_chunk} tokens do not fit in GPU memory"
-                    f"{cap_text(config.memory_cap_mib)}; lower max_ctx, max_num_seqs or prefill_chunk"
+                    f"{cap_text(config.memory_cap_mib)}{dense_text(config, packed.config, resolved.dtype)}; "
+                    f"lower max_ctx, max_num_seqs or prefill_chunk"
                 ) from None
         # the estimate of the working memory fell short: half as many sequences (the failed
         # attempt's tensors are garbage once the exception is gone)

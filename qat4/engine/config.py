@@ -48,8 +48,8 @@ class EngineConfig:
     acceptance (default); False drafts spec_tokens every step, for measurements. dense_weights:
     on CUDA with 16-bit tensor-core products, also keep a 16-bit copy of every layer matrix (3.75 GB
     in bf16 on E2B), which products of many rows (64-row decode steps, prompt chunks) multiply with
-    cuBLAS instead of the packed words (:mod:`qat4.ops.w4.dispatch`); the load fails with a clear
-    message where it does not fit beside the KV pool.
+    cuBLAS instead of the packed words (:mod:`qat4.ops.w4.dispatch`); claimed with the model, before
+    the KV pool, and the load fails with a clear message where it does not fit.
     """
 
     dtype: torch.dtype | None = None

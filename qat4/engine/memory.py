@@ -7,9 +7,10 @@ CUDA graphs the padded prompt steps' graphs); then the prompt chunk's working me
 buffer, the largest of AUTO_PREFILL_CHUNKS that fits; the prompt cache's extra sliding blocks
 (``prompt_cache_mib``: by default as much of DEFAULT_PROMPT_CACHE_MIB as is left); last, where
 prompt products can take it and it fits in what is left, the scratch of
-:mod:`qat4.ops.w4.expanded` (``expand``; without it they run the prefill GEMM); with
-``dense_weights``, a 16-bit copy of every layer matrix (:func:`qat4.model.dense_nbytes`), an error
-where it does not fit in what is left.
+:mod:`qat4.ops.w4.expanded` (``expand``; without it they run the prefill GEMM). With
+``dense_weights`` the model's 16-bit copies of its layer matrices (:func:`qat4.model.dense_nbytes`)
+and cuBLAS's workspaces are claimed with the model, and no scratch is kept (the copies are what
+many-row products multiply).
 Without an explicit ``max_num_seqs``, as many sequences as fit with that working memory (up to the
 default), else as many as fit without it; the model, the pool and the decode rows that do not fit
 are an error, and so is an explicit prompt cache that does not fit.
@@ -177,6 +178,13 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig,
     spec_tokens = config.spec_tokens if config.speculative else 0
     window = max(cfg.sliding_window, drafter.config.keys_behind + 1) if drafter is not None else None
     extra_nbytes = drafter_nbytes(drafter, cfg, dtype, max_ctx) if drafter is not None else 0
+    if config.dense_weights:
+        if not expands_products(dtype, device):
+            raise Qat4Error(f"dense_weights needs 16-bit tensor-core products on a CUDA GPU (bf16 or fp16, without "
+                            f"QAT4_PREFILL_FP32=1 or QAT4_OPS=reference); {device} in "
+                            f"{str(dtype).removeprefix('torch.')} has none")
+        workspaces = 0 if drafter is not None else (3 if config.cuda_graph else 1) * CUBLAS_WORKSPACE_NBYTES  # the drafter's count
+        extra_nbytes += dense_nbytes(cfg, dtype) + workspaces
 
     sliding_nbytes = block_nbytes(cfg, SLIDING, bs, dtype)
     cache_mib = DEFAULT_PROMPT_CACHE_MIB if config.prompt_cache_mib is None else config.prompt_cache_mib
@@ -188,9 +196,6 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig,
                              block_size=bs, cache_blocks=cache, lookahead=spec_lookahead(spec_tokens), window=window)
         return blocks, pool_nbytes(cfg, blocks, bs, seqs, max_ctx, dtype)
 
-    if config.dense_weights and not expands_products(dtype, device):
-        raise Qat4Error(f"dense_weights needs a CUDA GPU with tensor-core products of bf16 or fp16 activations; "
-                        f"{device} in {str(dtype).removeprefix('torch.')} has none")
     if device.type != "cuda":
         seqs = int(config.max_num_seqs or DEFAULT_MAX_NUM_SEQS["cpu"])
         chunk = int(config.prefill_chunk or min(AUTO_PREFILL_CHUNKS[-1], max_ctx))
@@ -219,7 +224,7 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig,
         raise Qat4Error(
             f"the model ({model_nbytes(packed, max_ctx, dtype) / MIB:,.0f} MiB) and a KV pool of {kv_tokens} tokens for "
             f"{seqs} sequences ({kv(seqs, smallest)[1] / MIB:,.0f} MiB) with their decode memory do not fit in GPU memory"
-            f"{cap_text(config.memory_cap_mib)}; lower max_ctx, kv_tokens or max_num_seqs"
+            f"{cap_text(config.memory_cap_mib)}{dense_text(config, cfg, dtype)}; lower max_ctx, kv_tokens or max_num_seqs"
         )
     chunk = next(c for c in chunks if needed(seqs, c, True) <= free or c == smallest)
     room = free - needed(seqs, chunk, True)
@@ -231,14 +236,13 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig,
             f"their working memory{cap_text(config.memory_cap_mib)}; {max(0, room) / MIB:,.0f} MiB are left"
         )
     expansion = expansion_nbytes(cfg, dtype, device, streams=3 if config.cuda_graph else 1)
-    expand = 0 < expansion <= room - cache_blocks * sliding_nbytes
-    left = room - cache_blocks * sliding_nbytes - (expansion if expand else 0)
-    copies = dense_nbytes(cfg, dtype) + (0 if expand else (3 if config.cuda_graph else 1) * CUBLAS_WORKSPACE_NBYTES)
-    if config.dense_weights and copies > left:
-        raise Qat4Error(
-            f"16-bit copies of the weights ({copies / MIB:,.0f} MiB with cuBLAS's workspace, dense_weights) do not fit beside "
-            f"the model, the KV pool and their working memory{cap_text(config.memory_cap_mib)}; "
-            f"{max(0, left) / MIB:,.0f} MiB are left: lower kv_tokens or max_ctx, or leave dense_weights off"
-        )
+    expand = not config.dense_weights and 0 < expansion <= room - cache_blocks * sliding_nbytes
     return Plan(dtype, max_ctx, seqs, chunk, kv_tokens, kv(seqs, chunk, cache_blocks)[0], cap, on, window, expand,
                 config.dense_weights)
+
+
+def dense_text(config: EngineConfig, model_config: Gemma4Config, dtype: torch.dtype) -> str:
+    """What a load that does not fit holds beside the model for ``dense_weights`` ("" without it)."""
+    if not config.dense_weights:
+        return ""
+    return f" beside 16-bit copies of the weights ({dense_nbytes(model_config, dtype) / MIB:,.0f} MiB, dense_weights)"

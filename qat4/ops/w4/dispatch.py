@@ -10,11 +10,11 @@
 - the decode-batch tensor-core product (:mod:`qat4.ops.w4.batch`) up to BATCH_ROWS rows: many
   sequences decoding together;
 - from DENSE_ROWS rows, where the caller keeps a 16-bit copy of W (``dense``: a model loaded with
-  ``dense_weights``), that copy multiplied by cuBLAS (:mod:`qat4.ops.w4.expanded`), which skips
-  the expansion's write and read of 2NK bytes. At 64 rows on an H200 the batch kernel reads W at
-  12 % of the copy bandwidth (2,224 µs for a step's layer products), and W expanded then multiplied
-  took 2,973 µs, of which the copy saves the expansion (BENCHMARKS.md, 2026-12-07); whether the copy
-  beats the batch kernel there is to be timed;
+  ``dense_weights``), that copy multiplied by cuBLAS (:mod:`qat4.ops.w4.expanded`). On an H200
+  (BENCHMARKS.md, 2026-12-01) cuBLAS took 1.89 ms for a 64-row step's layer products on 16-bit
+  weights, where the batch kernel takes 2.22 ms (2026-12-07), and expanding the matrices costs
+  1.45-1.67 ms a step, which the copy saves every prompt step; at 16 rows cuBLAS took 1.84 ms
+  against the batch kernel's 1.26, hence the boundary above 32 rows (to be timed in the engine);
 - from EXPAND_ROWS rows (by default: beyond BATCH_ROWS) of 16-bit x on a GPU with tensor cores,
   when a scratch that holds W is reserved (the model's load does, where its memory plan has room),
   W expanded into it and multiplied by cuBLAS (:mod:`qat4.ops.w4.expanded`): prompt chunks, and
