@@ -183,7 +183,8 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig,
             raise Qat4Error(f"dense_weights needs 16-bit tensor-core products on a CUDA GPU (bf16 or fp16, without "
                             f"QAT4_PREFILL_FP32=1 or QAT4_OPS=reference); {device} in "
                             f"{str(dtype).removeprefix('torch.')} has none")
-        workspaces = 0 if drafter is not None else (3 if config.cuda_graph else 1) * CUBLAS_WORKSPACE_NBYTES  # the drafter's count
+        # cuBLAS's workspaces of the streams its products run on; drafter_nbytes counts them when one drafts
+        workspaces = 0 if drafter is not None else (3 if config.cuda_graph else 1) * CUBLAS_WORKSPACE_NBYTES
         extra_nbytes += dense_nbytes(cfg, dtype) + workspaces
 
     sliding_nbytes = block_nbytes(cfg, SLIDING, bs, dtype)
