@@ -11,8 +11,9 @@ weighs each shape by its count per decode step (gemma4-e2b.md section 5.5) and c
 read bandwidth measured by a plain copy. --sweep also times the candidate tilings one by one.
 From --rows 2 (a continuous-batching decode step up to 128; a prompt step beyond) a second table
 times, the same way, the decode-batch kernel of qat4.ops.w4.batch beside the GEMV (up to 16
-rows), the prefill GEMM and the expanded product of qat4.ops.w4.expanded (the matrix expanded into
-its scratch, then cuBLAS); --sweep there times every tiling of
+rows), the prefill GEMM, the expanded product of qat4.ops.w4.expanded (the matrix expanded into
+its scratch, then cuBLAS) and cuBLAS on a 16-bit copy kept beside the words (dense_weights);
+--sweep there times every tiling of
 qat4.ops.w4.batch_tiling.batch_tiling_candidates.
 Then (without --shapes): the output layer (logits, argmax), the prefill GEMM, the embeddings.
 --floor instead times chains of N x 1536 GEMVs from 0.1 to 42 MB at fixed tilings, with and without
@@ -83,14 +84,19 @@ def copy_bandwidth(device):
 def chained(n, k, rows, dtype, device):
     """A timer for one op on x [rows, K] and W [N, K] launched back to back over distinct copies
     of W (>= WORKING_SET in all, so every launch reads its weights from HBM) in one CUDA graph:
-    time_us(launch) -> median µs per launch, launch(x, packed, scales, out [rows, N]) making one."""
+    time_us(launch) -> median µs per launch, launch(x, packed, scales, out [rows, N]) making one;
+    with ``dense`` launch also gets each copy's 16-bit matrix (expanded once, before the timing)."""
     copies = max(1, min(256, WORKING_SET // weight_bytes(n, k, dtype)))
     packed, scales = random_weight(n, k, dtype, device, copies)
     x = torch.randn(rows, k, dtype=dtype, device=device)
     out = torch.empty(copies, rows, n, dtype=dtype, device=device)
+    matrices = []
 
-    def time_us(launch):
-        return graph_time_us(lambda: [launch(x, packed[i], scales[i], out[i]) for i in range(copies)], copies)
+    def time_us(launch, dense=False):
+        if dense and not matrices:
+            matrices.extend(wx.expand_matrix(packed[i], scales[i], dtype) for i in range(copies))
+        extra = (lambda i: (matrices[i],)) if dense else (lambda i: ())  # noqa: E731
+        return graph_time_us(lambda: [launch(x, packed[i], scales[i], out[i], *extra(i)) for i in range(copies)], copies)
 
     return time_us
 
@@ -140,15 +146,15 @@ def describe_batch_tiling(t):
 
 def bench_batch(dtype, rows, sweep, shapes, device, peak, gemv_us=None, pinned=None):
     """Per decode shape: the GEMV (from `gemv_us`, the GEMV table's timings, when given), the
-    prefill GEMM, the expanded product and the decode-batch kernel at its table's tiling with the
-    keys of `pinned` (--batch-config), each over distinct copies in one CUDA graph; --sweep adds
-    every candidate tiling of the batch kernel."""
+    prefill GEMM, the expanded product, cuBLAS on a kept 16-bit copy (``dense_weights``) and the
+    decode-batch kernel at its table's tiling with the keys of `pinned` (--batch-config), each over
+    distinct copies in one CUDA graph; --sweep adds every candidate tiling of the batch kernel."""
     gemv_us = gemv_us or {}
     print(f"\n# decode batch, x [{rows}, K] {dtype}, CUDA graph over distinct copies, median µs per launch; "
           f"GB/s and % copy of the batch kernel")
-    print(f"{'N x K':>14} {'count':>5} {'GEMV':>8} {'GEMM':>8} {'expand':>8} {'batch':>8} {'GB/s':>7} {'% copy':>6}  "
-          f"batch tiling")
-    totals = {"GEMV": 0.0, "GEMM": 0.0, "expand": 0.0, "batch": 0.0}
+    print(f"{'N x K':>14} {'count':>5} {'GEMV':>8} {'GEMM':>8} {'expand':>8} {'dense':>8} {'batch':>8} {'GB/s':>7} "
+          f"{'% copy':>6}  batch tiling")
+    totals = {"GEMV": 0.0, "GEMM": 0.0, "expand": 0.0, "dense": 0.0, "batch": 0.0}
     total_bytes = 0.0
     for n, k, count in shapes:
         nbytes = weight_bytes(n, k, dtype) + rows * k * 2 + rows * n * 2
@@ -156,24 +162,26 @@ def bench_batch(dtype, rows, sweep, shapes, device, peak, gemv_us=None, pinned=N
         tiling = bt.resolve_tiling(pinned, n, k, rows, device)
         gemm = time_us(lambda x, p, s, o: wm.w4_matmul(x, p, s))
         expand = time_us(lambda x, p, s, o: wx.w4_expanded_matmul(x, p, s))
+        dense = time_us(lambda x, p, s, o, d: wx.w4_expanded_matmul(x, p, s, dense=d), dense=True)
         batch = time_us(lambda x, p, s, o: wb.w4_batch_linear(x, p, s, out=o, config=tiling))
         gemv = gemv_us.get((n, k))
-        for name, us in (("GEMV", gemv), ("GEMM", gemm), ("expand", expand), ("batch", batch)):
+        for name, us in (("GEMV", gemv), ("GEMM", gemm), ("expand", expand), ("dense", dense), ("batch", batch)):
             totals[name] += (us or 0.0) * count
         total_bytes += nbytes * count
         gbs = nbytes / batch / 1e3
         gemv_cell = f"{gemv:>8.2f}" if gemv is not None else f"{'-':>8}"
-        print(f"{n:>7} x {k:<5} {count:>5} {gemv_cell} {gemm:>8.2f} {expand:>8.2f} {batch:>8.2f} {gbs:>7.0f} "
+        print(f"{n:>7} x {k:<5} {count:>5} {gemv_cell} {gemm:>8.2f} {expand:>8.2f} {dense:>8.2f} {batch:>8.2f} {gbs:>7.0f} "
               f"{100 * gbs / peak:>5.0f}%  "
               f"{describe_batch_tiling(tiling)}")
         if sweep:
             for candidate in bt.batch_tiling_candidates(n, k, rows, device)[1:]:
                 us = time_us(lambda x, p, s, o, c=candidate: wb.w4_batch_linear(x, p, s, out=o, config=c))
-                print(f"{'':>47} {us:>8.2f} {nbytes / us / 1e3:>7.0f}         {describe_batch_tiling(candidate)}")
+                print(f"{'':>56} {us:>8.2f} {nbytes / us / 1e3:>7.0f}         {describe_batch_tiling(candidate)}")
         del time_us  # frees this shape's copies before the next shape's
     gbs = total_bytes / totals["batch"] / 1e3
     gemv_total = f"{totals['GEMV']:>8.1f}" if gemv_us else f"{'-':>8}"
-    print(f"{'per token':>14} {'':>5} {gemv_total} {totals['GEMM']:>8.1f} {totals['expand']:>8.1f} {totals['batch']:>8.1f} "
+    print(f"{'per token':>14} {'':>5} {gemv_total} {totals['GEMM']:>8.1f} {totals['expand']:>8.1f} {totals['dense']:>8.1f} "
+          f"{totals['batch']:>8.1f} "
           f"{gbs:>7.0f} "
           f"{100 * gbs / peak:>5.0f}%  ({total_bytes / 1e9:.3f} GB over {sum(c for *_, c in shapes)} launches)")
 
