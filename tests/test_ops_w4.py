@@ -149,24 +149,27 @@ def test_wide_mlp_products_leave_the_batch_kernel_from_wide_gemm_rows(monkeypatc
 
 
 def test_a_kept_16_bit_copy_takes_products_from_dense_rows(monkeypatch):
-    """With a 16-bit copy of W (``dense_weights``) products of DENSE_ROWS rows or more multiply it,
-    the gated and residual layers too, and fewer rows keep the packed kernels; without tensor cores
-    for x's dtype, or without a copy, nothing changes. The copy reaches the expanded product."""
+    """With a 16-bit copy of W (``dense_weights``) products of DENSE_ROWS rows or more (prompt
+    steps, by default) multiply it, the gated and residual layers too; fewer rows (decode steps)
+    keep the kernel they have without a copy; without tensor cores for x's dtype nothing changes.
+    The copy reaches the expanded product."""
     from qat4.ops.w4 import dispatch as w4
 
     monkeypatch.setenv("QAT4_OPS", "triton")
     monkeypatch.setattr(w4, "_expandable", lambda dtype, device: dtype != torch.float32)  # as on a GPU with tensor cores
+    assert w4.DENSE_ROWS > w4.BATCH_ROWS  # the copies replace the expansion, not the decode-batch kernel
     _, _, packed, scales = random_weight(w4.WIDE_N, 64)
     copy = torch.empty(w4.WIDE_N, 64, dtype=torch.bfloat16)
     x = lambda m: torch.empty(m, 64, dtype=torch.bfloat16)  # noqa: E731
     assert w4._kernel(x(w4.DENSE_ROWS), packed, copy) == "dense"
-    assert w4._kernel(x(w4.EXPAND_ROWS), packed, copy) == "dense"
-    assert w4._kernel(x(w4.DENSE_ROWS - 1), packed, copy) == "batch"
+    assert w4._kernel(x(4096), packed, copy) == "dense"
+    assert w4._kernel(x(w4.DENSE_ROWS - 1), packed, copy) == w4._kernel(x(w4.DENSE_ROWS - 1), packed) == "gemm"
     assert w4._kernel(x(1), packed, copy) == "gemv"
-    assert w4._kernel(x(w4.DENSE_ROWS), packed) == "gemm"  # no copy: the wide W's GEMM
-    assert w4._kernel(x(w4.DENSE_ROWS).float(), packed, copy) == "batch"  # no tensor cores for fp32 x
+    assert w4._kernel(x(w4.DENSE_ROWS), packed) == "gemm"  # no copy and no scratch: the GEMM
+    assert w4._kernel(x(w4.DENSE_ROWS).float(), packed, copy) == "gemm"  # no tensor cores for fp32 x
     _, _, packed, scales = random_weight(64, 64)
     copy = torch.empty(64, 64, dtype=torch.bfloat16)
+    assert w4._kernel(x(64), packed, copy) == "batch"  # a 64-row decode step keeps the packed words
     calls = []
     monkeypatch.setattr(w4, "w4_expanded_matmul", lambda x, p, s, **kw: calls.append(kw) or x.new_zeros(len(x), 64))
     monkeypatch.setattr(w4, "residual_rms_norm_triton", lambda h, y, *a: (h + y, None))

@@ -47,8 +47,8 @@ class EngineConfig:
     8, default 4). spec_adaptive: pick each step's draft count from the measured step costs and
     acceptance (default); False drafts spec_tokens every step, for measurements. dense_weights:
     on CUDA with 16-bit tensor-core products, also keep a 16-bit copy of every layer matrix (3.75 GB
-    in bf16 on E2B), which products of many rows (64-row decode steps, prompt chunks) multiply with
-    cuBLAS instead of the packed words (:mod:`qat4.ops.w4.dispatch`); claimed with the model, before
+    in bf16 on E2B), which prompt steps (more than 128 rows) multiply with cuBLAS instead of
+    expanding the packed words (:mod:`qat4.ops.w4.dispatch`); claimed with the model, before
     the KV pool, and the load fails with a clear message where it does not fit.
     """
 

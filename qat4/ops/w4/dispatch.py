@@ -9,12 +9,14 @@
   shape timed alone, where the GEMV beat the batch kernel at every shape);
 - the decode-batch tensor-core product (:mod:`qat4.ops.w4.batch`) up to BATCH_ROWS rows: many
   sequences decoding together;
-- from DENSE_ROWS rows, where the caller keeps a 16-bit copy of W (``dense``: a model loaded with
-  ``dense_weights``), that copy multiplied by cuBLAS (:mod:`qat4.ops.w4.expanded`). On an H200
-  (BENCHMARKS.md, 2026-12-01) cuBLAS took 1.89 ms for a 64-row step's layer products on 16-bit
-  weights, where the batch kernel takes 2.22 ms (2026-12-07), and expanding the matrices costs
-  1.45-1.67 ms a step, which the copy saves every prompt step; at 16 rows cuBLAS took 1.84 ms
-  against the batch kernel's 1.26, hence the boundary above 32 rows (to be timed in the engine);
+- from DENSE_ROWS rows (by default: beyond BATCH_ROWS, where products would expand W), where the
+  caller keeps a 16-bit copy of W (``dense``: a model loaded with ``dense_weights``), that copy
+  multiplied by cuBLAS (:mod:`qat4.ops.w4.expanded`), which saves a prompt step the expansion of
+  every matrix (a 512-token prompt's first token 8.8 -> 7.0 ms on an H100, BENCHMARKS.md
+  2026-12-07). Not for decode steps: there the copies made a 64-row step longer (4.026 against
+  3.932 ms), though cuBLAS on the copy multiplied a 64-row step's layer products alone in 2,215
+  against the batch kernel's 2,359 µs: the batch kernel's gated and residual epilogues do work
+  that cuBLAS leaves to separate launches;
 - from EXPAND_ROWS rows (by default: beyond BATCH_ROWS) of 16-bit x on a GPU with tensor cores,
   when a scratch that holds W is reserved (the model's load does, where its memory plan has room),
   W expanded into it and multiplied by cuBLAS (:mod:`qat4.ops.w4.expanded`): prompt chunks, and
@@ -61,7 +63,7 @@ BATCH_ROWS = 128  # the decode-batch kernel up to this many; the prefill GEMM be
 WIDE_GEMM_ROWS = int(os.environ.get("QAT4_WIDE_GEMM_ROWS", "33"))  # a wide W's product on the GEMM from this many
 WIDE_N, WIDE_K = 8192, 2048  # a wide W: at least WIDE_N rows of at most WIDE_K columns
 EXPAND_ROWS = int(os.environ.get("QAT4_EXPAND_ROWS", str(BATCH_ROWS + 1)))  # the expanded product from this many
-DENSE_ROWS = int(os.environ.get("QAT4_DENSE_ROWS", "33"))  # a kept 16-bit copy of W multiplied from this many
+DENSE_ROWS = int(os.environ.get("QAT4_DENSE_ROWS", str(BATCH_ROWS + 1)))  # a kept 16-bit copy of W multiplied from this many
 
 
 def _expandable(dtype: torch.dtype, device: torch.device) -> bool:
