@@ -303,7 +303,10 @@ def test_plan_takes_the_largest_chunk_and_the_most_sequences_that_fit(monkeypatc
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, 2 * free))
         got = memory.plan(packed, cuda, EngineConfig(max_ctx=8192))
         assert (got.max_num_seqs, got.prefill_chunk) == (seqs, chunk)
-        assert got.expand == (free == 10**11)  # the expansion scratch takes only what is left over
+        # the 16-bit copies, else the expansion scratch, take only what is left over
+        assert (got.dense, got.expand) == ((True, False) if free == 10**11 else (False, False))
+        packed_only = memory.plan(packed, cuda, EngineConfig(max_ctx=8192, dense_weights=False))
+        assert (packed_only.dense, packed_only.expand) == (False, free == 10**11)
     asked = memory.plan(packed, cuda, EngineConfig(max_ctx=8192, max_num_seqs=30))  # fits without the working memory
     assert (asked.max_num_seqs, asked.prefill_chunk) == (30, 256)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (115 * mib, 230 * mib))
@@ -319,10 +322,11 @@ def test_plan_takes_the_largest_chunk_and_the_most_sequences_that_fit(monkeypatc
 
 
 def test_plan_claims_dense_weights_with_the_model(monkeypatch):
-    """dense_weights' copies and cuBLAS's workspaces are claimed beside the model, before the pool
-    and the working memory, and no expansion scratch is kept with them; a load they do not fit
+    """dense_weights=True claims the copies and cuBLAS's workspaces beside the model, before the pool
+    and the working memory, and keeps no expansion scratch with them; a load they do not fit
     beside, or a device without 16-bit tensor-core products (the CPU), stops with a sentence
-    naming dense_weights."""
+    naming dense_weights. By default (None) the copies are kept only where they fit in what is
+    left over with a scratch's margin, else the scratch; False keeps the scratch; the CPU has neither."""
     from qat4.checkpoint.synth import synthetic_model
     from qat4.engine import memory
     from qat4.engine.config import EngineConfig
@@ -340,13 +344,21 @@ def test_plan_claims_dense_weights_with_the_model(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda", 0)
-    config = EngineConfig(max_ctx=256, max_num_seqs=4, prefill_chunk=256, prompt_cache_mib=0)
+    config = EngineConfig(max_ctx=256, max_num_seqs=4, prefill_chunk=256, prompt_cache_mib=0, dense_weights=False)
     dense = EngineConfig.of(config, dense_weights=True)
+    auto = EngineConfig.of(config, dense_weights=None)
     needed = 110 * mib + 256 * memory.PREFILL_BYTES_PER_TOKEN  # model, pool, working memory
     workspaces = 3 * memory.CUBLAS_WORKSPACE_NBYTES  # the engine's stream, warm-up and capture
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10**11, 2 * 10**11))
     plain, kept = memory.plan(packed, cuda, config), memory.plan(packed, cuda, dense)
     assert (plain.dense, plain.expand) == (False, True) and (kept.dense, kept.expand) == (True, False)
+    assert memory.plan(packed, cuda, auto).dense
+    room = needed + 500 * mib + workspaces + 75 * mib  # the copies with a scratch's margin
+    for free, dense_kept in ((room, True), (room - 1, False)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, 10**11))
+        chosen = memory.plan(packed, cuda, auto)
+        assert (chosen.dense, chosen.expand) == (dense_kept, not dense_kept), free
+        assert chosen.max_num_seqs == 4 and chosen.prefill_chunk == 256  # the copies take nothing from the rest
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (needed + 500 * mib + workspaces, 10**11))
     assert memory.plan(packed, cuda, dense).dense
     short = 110 * mib + 500 * mib + workspaces - 1  # the model and the pool fit, but not beside the copies
@@ -357,6 +369,7 @@ def test_plan_claims_dense_weights_with_the_model(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(Qat4Error, match="dense_weights needs 16-bit tensor-core products"):
         memory.plan(packed, torch.device("cpu"), EngineConfig(max_ctx=64, dense_weights=True))
+    assert not memory.plan(packed, torch.device("cpu"), EngineConfig(max_ctx=64)).dense
 
 
 def test_dense_nbytes_counts_every_matrix_the_products_multiply_by():

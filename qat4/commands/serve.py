@@ -56,9 +56,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="memory kept for the prompt cache's restart windows beside the running sequences; "
                         "a request whose beginning an earlier one read reuses its KV (default: 64, less if memory "
                         "is short; 0 turns the cache off)")
-    p.add_argument("--dense-weights", action="store_true",
-                   help="keep a 16-bit copy of every layer matrix on the GPU (3.75 GB on E2B) for products of many "
-                        "rows: 64-row decode steps and prompt chunks (default: off)")
+    p.add_argument("--dense-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep a 16-bit copy of every layer matrix on the GPU (3.75 GB on E2B), which prompt steps "
+                        "multiply instead of expanding the packed words; --no-dense-weights never (default: where "
+                        "it fits in the memory left over)")
     add_speculative_arguments(p)
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
                    help=f"requests that may wait to join the batch; more get 429 (default: {DEFAULT_MAX_QUEUE})")

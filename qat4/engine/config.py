@@ -48,8 +48,9 @@ class EngineConfig:
     acceptance (default); False drafts spec_tokens every step, for measurements. dense_weights:
     on CUDA with 16-bit tensor-core products, also keep a 16-bit copy of every layer matrix (3.75 GB
     in bf16 on E2B), which prompt steps (more than 128 rows) multiply with cuBLAS instead of
-    expanding the packed words (:mod:`qat4.ops.w4.dispatch`); claimed with the model, before
-    the KV pool, and the load fails with a clear message where it does not fit.
+    expanding the packed words (:mod:`qat4.ops.w4.dispatch`). None (default): where the copies fit
+    in the memory left over once everything else is planned; True: claimed with the model, before
+    the KV pool, and the load fails with a clear message where they do not fit; False: never.
     """
 
     dtype: torch.dtype | None = None
@@ -64,7 +65,7 @@ class EngineConfig:
     speculative: str | None = None
     spec_tokens: int = 4
     spec_adaptive: bool = True
-    dense_weights: bool = False
+    dense_weights: bool | None = None
 
     def __post_init__(self):
         for name in ("max_ctx", "max_num_seqs", "prefill_chunk", "kv_tokens"):

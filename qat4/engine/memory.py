@@ -6,11 +6,13 @@ blocks of ``max_num_seqs`` sequences and the decode working memory of that many 
 CUDA graphs the padded prompt steps' graphs); then the prompt chunk's working memory and the autotuner's
 buffer, the largest of AUTO_PREFILL_CHUNKS that fits; the prompt cache's extra sliding blocks
 (``prompt_cache_mib``: by default as much of DEFAULT_PROMPT_CACHE_MIB as is left); last, where
-prompt products can take it and it fits in what is left, the scratch of
-:mod:`qat4.ops.w4.expanded` (``expand``; without it they run the prefill GEMM). With
-``dense_weights`` the model's 16-bit copies of its layer matrices (:func:`qat4.model.dense_nbytes`)
-and cuBLAS's workspaces are claimed with the model, and no scratch is kept (the copies are what
-many-row products multiply).
+prompt products can take it and it fits in what is left, the model's 16-bit copies of its layer
+matrices (:func:`qat4.model.dense_nbytes`, ``dense``, with cuBLAS's workspaces: by default where
+they fit beside a margin of one scratch, ``dense_weights`` None), else the scratch of
+:mod:`qat4.ops.w4.expanded` (``expand``); without either prompt products run the prefill GEMM.
+``dense_weights=True`` claims the copies with the model instead, before everything else, and
+fails the load where they do not fit.
+``dense_weights=False`` never keeps them.
 Without an explicit ``max_num_seqs``, as many sequences as fit with that working memory (up to the
 default), else as many as fit without it; the model, the pool and the decode rows that do not fit
 are an error, and so is an explicit prompt cache that does not fit.
@@ -178,14 +180,15 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig,
     spec_tokens = config.spec_tokens if config.speculative else 0
     window = max(cfg.sliding_window, drafter.config.keys_behind + 1) if drafter is not None else None
     extra_nbytes = drafter_nbytes(drafter, cfg, dtype, max_ctx) if drafter is not None else 0
+    # cuBLAS's workspaces of the streams the copies' products run on; drafter_nbytes counts them when one drafts
+    dense_extra = dense_nbytes(cfg, dtype) + (0 if drafter is not None else (3 if config.cuda_graph else 1)
+                                              * CUBLAS_WORKSPACE_NBYTES)
     if config.dense_weights:
         if not expands_products(dtype, device):
             raise Qat4Error(f"dense_weights needs 16-bit tensor-core products on a CUDA GPU (bf16 or fp16, without "
                             f"QAT4_PREFILL_FP32=1 or QAT4_OPS=reference); {device} in "
                             f"{str(dtype).removeprefix('torch.')} has none")
-        # cuBLAS's workspaces of the streams its products run on; drafter_nbytes counts them when one drafts
-        workspaces = 0 if drafter is not None else (3 if config.cuda_graph else 1) * CUBLAS_WORKSPACE_NBYTES
-        extra_nbytes += dense_nbytes(cfg, dtype) + workspaces
+        extra_nbytes += dense_extra
 
     sliding_nbytes = block_nbytes(cfg, SLIDING, bs, dtype)
     cache_mib = DEFAULT_PROMPT_CACHE_MIB if config.prompt_cache_mib is None else config.prompt_cache_mib
@@ -237,9 +240,12 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig,
             f"their working memory{cap_text(config.memory_cap_mib)}; {max(0, room) / MIB:,.0f} MiB are left"
         )
     expansion = expansion_nbytes(cfg, dtype, device, streams=3 if config.cuda_graph else 1)
-    expand = not config.dense_weights and 0 < expansion <= room - cache_blocks * sliding_nbytes
+    left = room - cache_blocks * sliding_nbytes
+    dense = bool(config.dense_weights) or (config.dense_weights is None and expansion > 0
+                                           and dense_extra + expansion <= left)
+    expand = not dense and 0 < expansion <= left
     return Plan(dtype, max_ctx, seqs, chunk, kv_tokens, kv(seqs, chunk, cache_blocks)[0], cap, on, window, expand,
-                config.dense_weights)
+                dense)
 
 
 def dense_text(config: EngineConfig, model_config: Gemma4Config, dtype: torch.dtype) -> str:

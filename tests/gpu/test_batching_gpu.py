@@ -242,30 +242,32 @@ def test_serving_compiles_no_kernel_after_the_load():
     assert compiled == [], compiled
 
 
-def test_dense_weights_replay_their_eager_steps_and_give_the_packed_engines_tokens(packed, engine):
-    """An engine keeping 16-bit copies of the weights (dense_weights), which its prompt steps of
-    more than 128 tokens multiply: its graphs replay its eager steps bit for bit with 48 and 64
-    sequences reading their prompts together; one prompt of 300 tokens and then 64 sequences give
-    the packed engine's tokens exactly, since a copy is the matrix the packed engine expands
-    (cuBLAS on the same 16-bit W) and the decode steps run the same packed kernels."""
+def test_dense_weights_replay_their_eager_steps_and_give_the_packed_engines_tokens(packed):
+    """An engine keeping 16-bit copies of the weights (dense_weights, what a load with memory to
+    spare keeps by default), which its prompt steps of more than 128 tokens multiply: its graphs
+    replay its eager steps bit for bit with 48 and 64 sequences reading their prompts together;
+    one prompt of 300 tokens and then 64 sequences give the tokens of an engine without them
+    exactly, since a copy is the matrix that engine expands (cuBLAS on the same 16-bit W) and the
+    decode steps run the same packed kernels."""
     from qat4.model import dense_nbytes
     from qat4.ops.w4 import dispatch
 
     assert dispatch.DENSE_ROWS > dispatch.BATCH_ROWS
-    options = dict(max_ctx=4096, kv_tokens=64 * 256, dense_weights=True)
+    options = dict(max_ctx=4096, kv_tokens=64 * 256)
     dense = Engine.from_packed(packed, "cuda", tokenizer=tiny_tokenizer(), **options)
     dense_eager = Engine.from_packed(packed, "cuda", cuda_graph=False, **options)
+    plain = Engine.from_packed(packed, "cuda", dense_weights=False, **options)
     try:
         assert dense.nbytes["dense"] == dense_nbytes(E2B, torch.bfloat16) and not dense.plan.expand
-        assert engine.plan.expand  # the packed engine expands its prompt products: the same cuBLAS products
+        assert plain.plan.expand and not plain.plan.dense  # its prompt products expand W: the same cuBLAS products
         for b in (48, 64):
             batch = prompts(b, seed=b)
             assert run(dense, batch, 12, temperature=0) == run(dense_eager, batch, 12, temperature=0), b
         one = prompts(1, length=300, seed=11)
-        assert run(dense, one, 16, temperature=0) == run(engine, one, 16, temperature=0)
+        assert run(dense, one, 16, temperature=0) == run(plain, one, 16, temperature=0)
         batch = prompts(64, seed=12)
-        assert run(dense, batch, 8, temperature=0) == run(engine, batch, 8, temperature=0)
+        assert run(dense, batch, 8, temperature=0) == run(plain, batch, 8, temperature=0)
     finally:
-        del dense, dense_eager
+        del dense, dense_eager, plain
         gc.collect()
         torch.cuda.empty_cache()
