@@ -56,3 +56,14 @@ def test_serve_shortens_the_switch_interval_before_it_listens(monkeypatch):
     monkeypatch.setattr(serve._Server, "run", lambda self: listening_at.append(list(set_to)))
     assert main(["serve", "--model", "synthetic:tiny", "--device", "cpu", "--max-ctx", "64"]) == 0
     assert listening_at == [[serve.SWITCH_INTERVAL_S]] and serve.SWITCH_INTERVAL_S < 0.001
+
+
+def test_a_detached_server_gets_the_flags_that_differ_from_their_defaults():
+    """`qat4 serve --detach` hands the server it starts the flags given, --no-X included."""
+    from qat4.commands import serve
+
+    parser = serve._serve_parser()
+    assert serve._forwarded_flags(parser.parse_args(["--model", "m"])) == []
+    assert serve._forwarded_flags(parser.parse_args(["--model", "m", "--no-dense-weights"])) == ["--no-dense-weights"]
+    assert serve._forwarded_flags(parser.parse_args(["--model", "m", "--dense-weights", "--max-ctx", "64"])) == [
+        "--max-ctx=64", "--dense-weights"]

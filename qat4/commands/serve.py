@@ -147,6 +147,9 @@ def _forwarded_flags(args: argparse.Namespace) -> list[str]:
         value = getattr(args, action.dest, action.default)
         if not action.option_strings or action.dest in SET_APART or value == action.default:
             continue
+        if isinstance(action, argparse.BooleanOptionalAction):  # --flag / --no-flag
+            flags.append(action.option_strings[0 if value else 1])
+            continue
         option = max(action.option_strings, key=len)
         flags.append(option if action.nargs == 0 else f"{option}={value}")
     return flags
