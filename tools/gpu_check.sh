@@ -32,7 +32,7 @@
 #              (tools/bench_attention.py)
 #     ab       the decode step at $AB_BATCH sequences (default 1,4,16,64; 512 tokens held each) and a 512-token
 #              prompt, as the tree is and under the setting $AB_SETTING (e.g. QAT4_PAIR_UNPACK=0) and/or with the
-#              bench arguments $AB_ARGS (e.g. --dense-weights), alternating, $AB_RUNS rounds (default 2): two ways
+#              bench arguments $AB_ARGS (e.g. --no-dense-weights), alternating, $AB_RUNS rounds (default 2): two ways
 #              of one tree timed on one machine
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -150,7 +150,7 @@ if want profile; then
 fi
 if want ab; then
     if [ -z "${AB_SETTING:-}${AB_ARGS:-}" ]; then
-        echo "ab: name the setting or bench arguments to time against, e.g. AB_SETTING=QAT4_PAIR_UNPACK=0 or AB_ARGS=--dense-weights"
+        echo "ab: name the setting or bench arguments to time against, e.g. AB_SETTING=QAT4_PAIR_UNPACK=0 or AB_ARGS=--no-dense-weights"
     else
         for round in $(seq ${AB_RUNS:-2}); do
             for arm in tree other; do
