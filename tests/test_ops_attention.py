@@ -208,6 +208,20 @@ def test_kernel_decode_rows(dtype, window, splits):
 
 
 @kernel_test
+def test_kernel_decode_rows_split_past_the_merge_widths_kept_compiled(monkeypatch):
+    """An explicit split count past _MAX_SPLITS (``tools/bench_attention.py --sweep``) merges its
+    partials with a merge kernel as wide as its next power of two."""
+    monkeypatch.setattr(attn, "_MAX_SPLITS", 16)
+    assert (attn.merge_width(16), attn.merge_width(17), attn.merge_width(40)) == (16, 32, 64)
+    dev, D, ends = KERNEL_DEVICE, 64, [700, 90]
+    pool = Pool(ends, D, device=dev)
+    q = rand(2, H, D, device=dev)
+    seqs = seqs_of([1, 1], ends, [0, 1], dev)
+    out = attn.paged_attention_triton(q, pool.k, pool.v, pool.table, pool.bs, seqs, splits=20)
+    assert_close(out, expected_of(pool, q, [1, 1], ends, [0, 1], None), torch.float32)
+
+
+@kernel_test
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("window,splits", [(None, 1), (None, 2), (8, 1), (8, 3)])
 def test_kernel_prompt_chunks(dtype, window, splits):

@@ -35,7 +35,7 @@ HEADS = 8
 SLIDING = (256, 512)  # (head dim, window) of E2B's sliding layers
 FULL_DIM = 512
 L2_BYTES = 50 << 20
-DECODE_SPLITS = {"sliding": (4, 8, 16), "full": (33, 66, 132, 256)}  # --sweep, one sequence (scaled by batch)
+DECODE_SPLITS = {"sliding": (4, 8, 16), "full": (33, 66, 132, 256, 384, 512)}  # --sweep, one sequence (scaled by batch)
 DECODE_TILES = {256: [(16, 32, 4, 2), (16, 64, 4, 2), (16, 128, 4, 2), (16, 64, 4, 3)],
                 512: [(16, 16, 4, 2), (16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 3)]}
 PREFILL_TILES = {256: [(64, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2), (32, 64, 4, 2)],

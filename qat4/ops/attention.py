@@ -317,8 +317,9 @@ def num_splits(n_seqs: int, row_blocks: int, max_keys: int, tiles: AttentionTile
 def merge_width(splits: int) -> int:
     """BLOCK_S of the merge for ``splits`` partials: 16 or _MAX_SPLITS, two compiled kernels
     whatever the split counts of a server's prompt chunks (a count of its own would compile
-    mid-step when a chunk first needs it)."""
-    return 16 if splits <= 16 else _MAX_SPLITS
+    mid-step when a chunk first needs it). A count past _MAX_SPLITS, which only an explicit
+    ``splits`` asks for (``tools/bench_attention.py --sweep``), gets its next power of two."""
+    return 16 if splits <= 16 else max(_MAX_SPLITS, triton.next_power_of_2(splits))
 
 
 # ----------------------------------------------------------------------------------------------
