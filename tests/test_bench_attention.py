@@ -32,8 +32,8 @@ def test_a_case_scatters_each_sequences_pages_and_its_copies_hold_other_keys():
 def test_the_sweep_scales_the_key_splits_by_the_batch():
     one = bench_attention.decode_configs("full", 512, 1, True)
     sixteen = bench_attention.decode_configs("full", 512, 16, True)
-    assert one[0] == (None, None) and [s for s, t in one if s] == [33, 66, 132, 256]
-    assert [s for s, t in sixteen if s] == [2, 4, 8, 16]
+    assert one[0] == (None, None) and [s for s, t in one if s] == [33, 66, 132, 256, 384, 512]
+    assert [s for s, t in sixteen if s] == [2, 4, 8, 16, 24, 32]
     assert len([t for s, t in one if t]) == len(bench_attention.DECODE_TILES[512])
     assert bench_attention.decode_configs("sliding", 256, 4, False) == [(None, None)]
 
