@@ -203,6 +203,8 @@ def run(engine: Engine, model_name: str, depths: list[int], new: int, prompt: in
         gib = 0.25
     elif memory_cap_mib is not None:  # what the cap leaves beside the engine, at most a quarter GiB
         gib = min(0.25, max(1 / 64, (memory_cap_mib * MIB - torch.cuda.memory_reserved(device)) / 2 / (1 << 30)))
+    else:  # at most half of what the GPU has free beside the engine (its 16-bit copies may take most of it)
+        gib = min(gib, max(1 / 64, torch.cuda.mem_get_info(device)[0] / 2 / (1 << 30)))
     bandwidth = measure_read_bandwidth(device, gib=gib)
     if device.type == "cuda":  # the bandwidth buffer is the benchmark's, not the engine's: left out of the peak
         torch.cuda.empty_cache()

@@ -358,7 +358,20 @@ def test_plan_claims_dense_weights_with_the_model(monkeypatch):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, 10**11))
         chosen = memory.plan(packed, cuda, auto)
         assert (chosen.dense, chosen.expand) == (dense_kept, not dense_kept), free
-        assert chosen.max_num_seqs == 4 and chosen.prefill_chunk == 256  # the copies take nothing from the rest
+    # sizes the plan picks itself: the copies come after the sequences, the chunk and the prompt cache
+    from qat4.config import SLIDING
+
+    defaults = EngineConfig(max_ctx=256)
+    sliding = memory.block_nbytes(packed.config, SLIDING, defaults.block_size, torch.bfloat16)
+    cache = memory.DEFAULT_PROMPT_CACHE_MIB * mib // sliding * sliding  # whole blocks of the prompt cache
+    room = needed + cache + 500 * mib + workspaces + 75 * mib
+    plans = []
+    for free in (room, room - 1):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, 10**11))
+        plans.append(memory.plan(packed, cuda, defaults))
+    assert [(p.dense, p.expand) for p in plans] == [(True, False), (False, True)]
+    assert plans[0].max_num_seqs == plans[1].max_num_seqs == memory.DEFAULT_MAX_NUM_SEQS["cuda"]
+    assert plans[0].prefill_chunk == plans[1].prefill_chunk == 256 and plans[0].blocks == plans[1].blocks
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (needed + 500 * mib + workspaces, 10**11))
     assert memory.plan(packed, cuda, dense).dense
     short = 110 * mib + 500 * mib + workspaces - 1  # the model and the pool fit, but not beside the copies
@@ -440,6 +453,36 @@ def test_a_build_out_of_memory_is_tried_again_with_half_as_many_sequences(monkey
     assert Engine.from_packed(packed, "cpu", max_ctx=64).max_num_seqs == 2 and tried == [8, 4, 2]
     with pytest.raises(Qat4Error, match="do not fit in GPU memory"):
         Engine.from_packed(packed, "cpu", max_ctx=64, max_num_seqs=4)
+
+def test_a_build_out_of_memory_gives_up_the_weight_copies_it_chose_before_any_sequence(monkeypatch):
+    """Copies the plan kept from the memory left over (dense_weights None) are the first thing an
+    out-of-memory build gives up, with max_num_seqs explicit or not; copies asked for are not."""
+    import dataclasses
+
+    from qat4.checkpoint.synth import synthetic_model
+    from qat4.engine import build
+
+    real_plan, real_build, tried = build.plan, build._build, []
+    # as on a GPU with memory to spare: the plan keeps the copies unless told not to
+    monkeypatch.setattr(build, "plan", lambda packed, device, config, assistant=None: dataclasses.replace(
+        real_plan(packed, device, dataclasses.replace(config, dense_weights=False), assistant),
+        dense=config.dense_weights is not False))
+
+    def short_of_memory(engine_class, packed, device, resolved, *args):
+        tried.append((resolved.max_num_seqs, resolved.dense))
+        if resolved.dense:
+            raise torch.cuda.OutOfMemoryError("out of memory")
+        return real_build(engine_class, packed, device, resolved, *args)
+
+    monkeypatch.setattr(build, "_build", short_of_memory)
+    packed = synthetic_model(TINY, seed=0)
+    assert Engine.from_packed(packed, "cpu", max_ctx=64).max_num_seqs == 8 and tried == [(8, True), (8, False)]
+    tried.clear()
+    assert Engine.from_packed(packed, "cpu", max_ctx=64, max_num_seqs=4).max_num_seqs == 4
+    assert tried == [(4, True), (4, False)]
+    with pytest.raises(Qat4Error, match=r"do not fit in GPU memory beside 16-bit copies .*dense_weights"):
+        Engine.from_packed(packed, "cpu", max_ctx=64, max_num_seqs=4, dense_weights=True)
+
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_group_steps_take_the_compute_dtype_where_it_holds_them_exactly(dtype):

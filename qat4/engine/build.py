@@ -2,8 +2,9 @@
 
 :func:`build_engine` settles the device, finds the checkpoint's tokenizer, reads and checks the MTP
 drafter's checkpoint before anything goes to the device, and plans the memory
-(:mod:`qat4.engine.memory`); without an explicit max_num_seqs, a build that runs out of GPU memory
-(the plan's estimate of the working memory fell short) is tried again with half as many sequences.
+(:mod:`qat4.engine.memory`); a build that runs out of GPU memory (the plan's estimate of the
+working memory fell short) is tried again without the 16-bit weight copies the plan chose by
+itself (``dense_weights`` None), then, without an explicit max_num_seqs, with half as many sequences.
 Each build puts the model and the KV pool on the device, makes the engine, and on CUDA pins the
 decode GEMV tilings saved for this GPU (:mod:`qat4.engine.tuning`) in the model's
 :attr:`~qat4.model.Gemma4.tilings` before the warm-up
@@ -54,19 +55,22 @@ def build_engine(engine_class: type[Engine], packed: PackedModel, device: str | 
         try:
             return _build(engine_class, packed, device, resolved, config, tokenizer, assistant)
         except torch.cuda.OutOfMemoryError:
-            if config.max_num_seqs is not None or resolved.max_num_seqs == 1:
+            if resolved.dense and attempt.dense_weights is None:  # copies kept from the margin: given up first
+                retry = EngineConfig.of(attempt, dense_weights=False)
+            elif config.max_num_seqs is not None or resolved.max_num_seqs == 1:
                 raise Qat4Error(
                     f"the model ({model_nbytes(packed, resolved.max_ctx, resolved.dtype) / MIB:,.0f} MiB), a KV pool of "
                     f"{resolved.kv_tokens} tokens for {resolved.max_num_seqs} sequences and the prefill workspace for "
                     f"chunks of {resolved.prefill_chunk} tokens do not fit in GPU memory"
-                    f"{cap_text(config.memory_cap_mib)}{dense_text(config, packed.config, resolved.dtype)}; "
+                    f"{cap_text(config.memory_cap_mib)}{dense_text(resolved.dense, packed.config, resolved.dtype)}; "
                     f"lower max_ctx, max_num_seqs or prefill_chunk"
                 ) from None
-        # the estimate of the working memory fell short: half as many sequences (the failed
-        # attempt's tensors are garbage once the exception is gone)
+            else:  # half as many sequences
+                retry = EngineConfig.of(attempt, max_num_seqs=resolved.max_num_seqs // 2)
+        # the failed attempt's tensors are garbage once the exception is gone
         gc.collect()
         torch.cuda.empty_cache()
-        attempt = EngineConfig.of(attempt, max_num_seqs=resolved.max_num_seqs // 2)
+        attempt = retry
 
 
 def _build(engine_class: type[Engine], packed: PackedModel, device: torch.device, resolved: Plan,

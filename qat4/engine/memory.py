@@ -228,7 +228,7 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig,
         raise Qat4Error(
             f"the model ({model_nbytes(packed, max_ctx, dtype) / MIB:,.0f} MiB) and a KV pool of {kv_tokens} tokens for "
             f"{seqs} sequences ({kv(seqs, smallest)[1] / MIB:,.0f} MiB) with their decode memory do not fit in GPU memory"
-            f"{cap_text(config.memory_cap_mib)}{dense_text(config, cfg, dtype)}; lower max_ctx, kv_tokens or max_num_seqs"
+            f"{cap_text(config.memory_cap_mib)}{dense_text(bool(config.dense_weights), cfg, dtype)}; lower max_ctx, kv_tokens or max_num_seqs"
         )
     chunk = next(c for c in chunks if needed(seqs, c, True) <= free or c == smallest)
     room = free - needed(seqs, chunk, True)
@@ -248,8 +248,9 @@ def plan(packed: PackedModel, device: torch.device, config: EngineConfig,
                 dense)
 
 
-def dense_text(config: EngineConfig, model_config: Gemma4Config, dtype: torch.dtype) -> str:
-    """What a load that does not fit holds beside the model for ``dense_weights`` ("" without it)."""
-    if not config.dense_weights:
+def dense_text(dense: bool, model_config: Gemma4Config, dtype: torch.dtype) -> str:
+    """What a load that does not fit holds beside the model when it keeps 16-bit weight copies
+    (``dense``), "" without them."""
+    if not dense:
         return ""
     return f" beside 16-bit copies of the weights ({dense_nbytes(model_config, dtype) / MIB:,.0f} MiB, dense_weights)"

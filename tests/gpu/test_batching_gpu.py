@@ -259,6 +259,7 @@ def test_dense_weights_replay_their_eager_steps_and_give_the_packed_engines_toke
     plain = Engine.from_packed(packed, "cuda", dense_weights=False, **options)
     try:
         assert dense.nbytes["dense"] == dense_nbytes(E2B, torch.bfloat16) and not dense.plan.expand
+        assert dense_eager.plan.dense
         assert plain.plan.expand and not plain.plan.dense  # its prompt products expand W: the same cuBLAS products
         for b in (48, 64):
             batch = prompts(b, seed=b)
