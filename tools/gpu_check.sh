@@ -4,7 +4,7 @@
 # ./out). Compiled kernels stay in $TRITON_CACHE_DIR (default /tmp/qat4_triton_cache); the cache
 # also leaves as $OUT/triton_cache.tar.xz.NN (15 MiB parts), and parts found in .triton_cache/ are
 # unpacked into it first, so a fresh machine starts with the kernels an earlier one compiled.
-#   usage: tools/gpu_check.sh STEP...   steps: setup kernels sweep tests bench cap tune serve load overhead turns eval spec specstep mtp grammar profile attention ab all
+#   usage: tools/gpu_check.sh STEP...   steps: setup kernels sweep tests bench cap tune serve load overhead turns eval spec specstep mtp grammar profile attention chunks ab all
 #     setup    only what every call does first: the wheels and the compiled kernels, for commands of one's own after it
 #     kernels  the int4 kernels at E2B decode shapes: GEMV, decode-batch kernel and GEMM at 2, 16, 64 rows;
 #              the batch kernel again with one dot a step (ONE_DOT) at 16 and 64
@@ -29,7 +29,9 @@
 #              (tools/bench_grammar.py --engine)
 #     profile  tools/profile_step.py at 1 and 64 sequences ($PROFILE_BATCHES), and a prompt chunk of $PROFILE_CHUNK (512)
 #     attention the paged attention kernel's decode at 1, 4, 16, 64 sequences over 512 to 131,072 keys
-#              (tools/bench_attention.py)
+#              (tools/bench_attention.py; $ATTENTION_BATCH, $ATTENTION_LENGTHS and $ATTENTION_ARGS, e.g. --sweep, change it)
+#     chunks   qat4 bench serve at 16 and 64 clients with each of $CHUNKS (default 4096 1024 512) as the server's
+#              --prefill-chunk (the prompt tokens a step reads beside the decoding rows), alternating, $CHUNKS_RUNS rounds
 #     ab       the decode step at $AB_BATCH sequences (default 1,4,16,64; 512 tokens held each) and a 512-token
 #              prompt, as the tree is and under the setting $AB_SETTING (e.g. QAT4_PAIR_UNPACK=0) and/or with the
 #              bench arguments $AB_ARGS (e.g. --no-dense-weights), alternating, $AB_RUNS rounds (default 2): two ways
@@ -166,6 +168,16 @@ if want ab; then
     fi
 fi
 if want attention; then
-    timeout ${ATTENTION_TIMEOUT:-300} python3 tools/bench_attention.py --only decode --batch 1,4,16,64 \
-        --lengths 512,32768,131072 2>&1 | tee "$LOGS/bench_attention.log" | grep -v Warning
+    timeout ${ATTENTION_TIMEOUT:-300} python3 tools/bench_attention.py --only decode --batch ${ATTENTION_BATCH:-1,4,16,64} \
+        --lengths ${ATTENTION_LENGTHS:-512,32768,131072} ${ATTENTION_ARGS:-} 2>&1 | tee "$LOGS/bench_attention.log" | grep -v Warning
+fi
+if want chunks; then
+    for round in $(seq ${CHUNKS_RUNS:-2}); do
+        for chunk in ${CHUNKS:-4096 1024 512}; do
+            echo "== round $round, --prefill-chunk $chunk: clients, requests, failed, output tok/s, ..."
+            timeout ${CHUNKS_TIMEOUT:-100} python3 -m qat4.cli bench serve "${E2B[@]}" --concurrency ${CHUNKS_CONCURRENCY:-16,64} \
+                --input-len 512 --output-len 128 --server-args="--prefill-chunk $chunk" \
+                --json "$LOGS/bench_serve_chunk${chunk}_$round.json" 2>&1 | tee -a "$LOGS/chunks.log" | grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ "
+        done
+    done
 fi
