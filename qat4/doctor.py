@@ -40,6 +40,7 @@ from qat4.engine.kv_cache import pool_nbytes
 from qat4.engine.memory import MIB, Plan, decode_nbytes, default_dtype, model_nbytes, plan
 from qat4.engine.graphs import uses_graphs
 from qat4.errors import Qat4Error
+from qat4.model import dense_nbytes
 from qat4.ops import use_triton
 from qat4.ops._triton import TRITON_VERSION
 from qat4.ops.pdl import pdl_launch
@@ -393,13 +394,16 @@ def memory_budget(device: torch.device, memory_cap_mib: float | None) -> tuple[i
 
 def footprint(shapes: PackedModel, resolved: Plan, block_size: int) -> dict[str, int]:
     """Bytes an engine of ``resolved`` allocates, by part, from qat4's own estimates: the model, its
-    KV cache and the decode working memory."""
-    return {
+    KV cache, the decode working memory, and the 16-bit weight copies where the plan keeps them."""
+    parts = {
         "model": model_nbytes(shapes, resolved.max_ctx, resolved.dtype),
         "KV cache": pool_nbytes(shapes.config, resolved.blocks, block_size, resolved.max_num_seqs,
                                 resolved.max_ctx, resolved.dtype),
         "decode memory": decode_nbytes(shapes, resolved.max_num_seqs),
     }
+    if resolved.dense:
+        parts["16-bit weight copies"] = dense_nbytes(shapes.config, resolved.dtype)
+    return parts
 
 
 def fit(shapes: PackedModel, device: torch.device, max_ctx: int, memory_cap_mib: float | None,

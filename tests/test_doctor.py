@@ -256,3 +256,19 @@ def test_bad_flags_are_one_line(flags, message, capsys):
     assert main(["doctor", *flags]) == 1
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == f"qat4 doctor: {message}\n"
+
+
+def test_the_footprint_counts_the_16_bit_weight_copies_where_the_plan_keeps_them():
+    from dataclasses import replace
+
+    from qat4.checkpoint.synth import synthetic_model
+    from qat4.config import TINY
+    from qat4.engine.config import EngineConfig
+    from qat4.engine.memory import plan
+    from qat4.model import dense_nbytes
+
+    shapes = synthetic_model(TINY, seed=0)
+    resolved = plan(shapes, torch.device("cpu"), EngineConfig(max_ctx=64))
+    assert "16-bit weight copies" not in doctor.footprint(shapes, resolved, 16)
+    kept = doctor.footprint(shapes, replace(resolved, dense=True), 16)
+    assert kept["16-bit weight copies"] == dense_nbytes(TINY, resolved.dtype) > 0
