@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from qat4.commands.model_args import DEVICES, add_speculative_arguments, resolve_device, speculative_options
+from qat4.commands.model_args import DEVICES, add_dense_weights_argument, add_speculative_arguments, resolve_device, \
+    speculative_options
 from qat4.config import SYNTHETIC, synthetic_config
 from qat4.errors import Qat4Error
 
@@ -44,10 +45,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-ctx", type=int, help="KV cache size in tokens (default: the deepest depth plus --new, at most the model's)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt chunk size (default: the largest of 4096..256 that fits in memory)")
-    p.add_argument("--dense-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="keep a 16-bit copy of every layer matrix on the GPU (3.75 GB on E2B), which prompt steps "
-                        "multiply instead of expanding the packed words; --no-dense-weights never (default: where "
-                        "it fits in the memory left over)")
+    add_dense_weights_argument(p)
     p.add_argument("--device", choices=DEVICES, default="cuda", help="cuda (default) or cpu")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default: %(default)s)")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")

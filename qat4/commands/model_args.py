@@ -26,6 +26,14 @@ def add_model_arguments(p: argparse.ArgumentParser, *, synthetic: bool = False) 
                    help=f"context length in tokens, prompt plus reply (default: the model's, at most {MAX_CTX_DEFAULT})")
 
 
+def add_dense_weights_argument(p: argparse.ArgumentParser) -> None:
+    """--dense-weights / --no-dense-weights (EngineConfig.dense_weights: None unless given)."""
+    p.add_argument("--dense-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep a 16-bit copy of every layer matrix on the GPU (3.75 GB on E2B), which prompt steps "
+                        "multiply instead of expanding the packed words; --no-dense-weights never (default: where "
+                        "it fits in the memory left over)")
+
+
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     """--speculative and --spec-tokens (speculative decoding; see speculative_options)."""
     p.add_argument("--speculative", default=None, metavar="DRAFTER",

@@ -14,8 +14,8 @@ from pathlib import Path
 import uvicorn
 
 from qat4 import server_control as control
-from qat4.commands.model_args import add_model_arguments, add_speculative_arguments, load_engine, resolve_device, \
-    speculative_options
+from qat4.commands.model_args import add_dense_weights_argument, add_model_arguments, add_speculative_arguments, \
+    load_engine, resolve_device, speculative_options
 from qat4.errors import Qat4Error
 from qat4.serve_process import STARTUP_TIMEOUT_S, serve_command
 from qat4.server.limits import CHARS_PER_CONTEXT_TOKEN, DEFAULT_MAX_MESSAGES, DEFAULT_MAX_TOOLS, RequestLimits
@@ -56,10 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="memory kept for the prompt cache's restart windows beside the running sequences; "
                         "a request whose beginning an earlier one read reuses its KV (default: 64, less if memory "
                         "is short; 0 turns the cache off)")
-    p.add_argument("--dense-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="keep a 16-bit copy of every layer matrix on the GPU (3.75 GB on E2B), which prompt steps "
-                        "multiply instead of expanding the packed words; --no-dense-weights never (default: where "
-                        "it fits in the memory left over)")
+    add_dense_weights_argument(p)
     add_speculative_arguments(p)
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
                    help=f"requests that may wait to join the batch; more get 429 (default: {DEFAULT_MAX_QUEUE})")
