@@ -67,3 +67,22 @@ def test_a_detached_server_gets_the_flags_that_differ_from_their_defaults():
     assert serve._forwarded_flags(parser.parse_args(["--model", "m", "--no-dense-weights"])) == ["--no-dense-weights"]
     assert serve._forwarded_flags(parser.parse_args(["--model", "m", "--dense-weights", "--max-ctx", "64"])) == [
         "--max-ctx=64", "--dense-weights"]
+
+
+def test_serve_reads_prompts_in_the_chunks_asked_for(monkeypatch, capsys):
+    """--prefill-chunk sets the prompt tokens a step reads (the engine's and the start line's);
+    below 1 it is refused before anything loads."""
+    from qat4.cli import main
+    from qat4.commands import serve
+
+    chunks = []
+    monkeypatch.setattr(serve._Server, "run",
+                        lambda self: chunks.append(self.config.app.state.engine_loop.engine.prefill_chunk))
+    tiny = ["serve", "--model", "synthetic:tiny", "--device", "cpu", "--max-ctx", "64"]
+    assert main([*tiny, "--prefill-chunk", "48"]) == 0
+    assert chunks == [48] and "prompts read 48 tokens a step" in capsys.readouterr().err
+    assert main([*tiny, "--prefill-chunk", "0"]) == 1
+    assert capsys.readouterr().err.strip() == "qat4 serve: --prefill-chunk must be at least 1, got 0"
+    parser = serve._serve_parser()
+    assert serve._forwarded_flags(parser.parse_args(["--model", "m", "--prefill-chunk", "512"])) == [
+        "--prefill-chunk=512"]

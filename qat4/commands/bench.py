@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from qat4.commands.model_args import DEVICES, add_dense_weights_argument, add_speculative_arguments, resolve_device, \
-    speculative_options
+from qat4.commands.model_args import DEVICES, add_dense_weights_argument, add_prefill_chunk_argument, \
+    add_speculative_arguments, resolve_device, speculative_options
 from qat4.config import SYNTHETIC, synthetic_config
 from qat4.errors import Qat4Error
 
@@ -43,8 +43,7 @@ def add_parser(sub) -> None:
                    help="prompt tokens of each sequence of a --batch run (default: %(default)s)")
     p.add_argument("--memory-cap-mib", type=float, help="cap this process's GPU memory, e.g. 3732 for a 4 GB card")
     p.add_argument("--max-ctx", type=int, help="KV cache size in tokens (default: the deepest depth plus --new, at most the model's)")
-    p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prompt chunk size (default: the largest of 4096..256 that fits in memory)")
+    add_prefill_chunk_argument(p)
     add_dense_weights_argument(p)
     p.add_argument("--device", choices=DEVICES, default="cuda", help="cuda (default) or cpu")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default: %(default)s)")

@@ -34,6 +34,14 @@ def add_dense_weights_argument(p: argparse.ArgumentParser) -> None:
                         "it fits in the memory left over)")
 
 
+def add_prefill_chunk_argument(p: argparse.ArgumentParser) -> None:
+    """--prefill-chunk (EngineConfig.prefill_chunk: None unless given)."""
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prompt tokens a step reads, over all the sequences reading a prompt, beside the decoding "
+                        "rows: smaller chunks bring first tokens sooner under load, larger ones serve more tokens a "
+                        "second (default: the largest of 4096 .. 256 that fits in memory; 256 on the CPU)")
+
+
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     """--speculative and --spec-tokens (speculative decoding; see speculative_options)."""
     p.add_argument("--speculative", default=None, metavar="DRAFTER",

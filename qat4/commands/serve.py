@@ -14,8 +14,8 @@ from pathlib import Path
 import uvicorn
 
 from qat4 import server_control as control
-from qat4.commands.model_args import add_dense_weights_argument, add_model_arguments, add_speculative_arguments, \
-    load_engine, resolve_device, speculative_options
+from qat4.commands.model_args import add_dense_weights_argument, add_model_arguments, add_prefill_chunk_argument, \
+    add_speculative_arguments, load_engine, resolve_device, speculative_options
 from qat4.errors import Qat4Error
 from qat4.serve_process import STARTUP_TIMEOUT_S, serve_command
 from qat4.server.limits import CHARS_PER_CONTEXT_TOKEN, DEFAULT_MAX_MESSAGES, DEFAULT_MAX_TOOLS, RequestLimits
@@ -56,6 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="memory kept for the prompt cache's restart windows beside the running sequences; "
                         "a request whose beginning an earlier one read reuses its KV (default: 64, less if memory "
                         "is short; 0 turns the cache off)")
+    add_prefill_chunk_argument(p)
     add_dense_weights_argument(p)
     add_speculative_arguments(p)
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
@@ -117,7 +118,7 @@ def _check_arguments(args: argparse.Namespace) -> tuple[str | None, dict]:
     --detach) and the speculative options."""
     if args.max_queue < 0:
         raise Qat4Error(f"--max-queue must be >= 0, got {args.max_queue}")
-    for flag in ("max_messages", "max_tools", "max_prompt_chars"):
+    for flag in ("max_messages", "max_tools", "max_prompt_chars", "prefill_chunk"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise Qat4Error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if not args.detach and any(getattr(args, flag) is not None for flag in DETACH_OPTIONS):
@@ -189,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
     from qat4.server.app import create_app
 
     engine = load_engine("serve", args.model, device, max_ctx=args.max_ctx, memory_cap_mib=args.memory_cap_mib,
-                         max_num_seqs=args.max_num_seqs, kv_tokens=args.kv_tokens, prompt_cache_mib=args.prompt_cache_mib,
+                         max_num_seqs=args.max_num_seqs, kv_tokens=args.kv_tokens, prefill_chunk=args.prefill_chunk,
+                         prompt_cache_mib=args.prompt_cache_mib,
                          dense_weights=args.dense_weights, **speculative)
     limits = RequestLimits.for_context(engine.max_ctx, max_messages=args.max_messages, max_tools=args.max_tools,
                                        max_prompt_chars=args.max_prompt_chars)
