@@ -22,7 +22,7 @@ from qat4.engine.engine import PoolBusy
 from qat4.engine.logprobs import TOP_LOGPROBS
 from qat4.errors import Qat4Error
 from qat4.server.app import create_app
-from qat4.server.generation import EngineLoop, Finished, GenerationParams
+from qat4.server.generation import Detokenizer, EngineLoop, Finished, GenerationParams
 from qat4.server.logprobs import TokenTexts
 from qat4.server.metrics import Metrics
 
@@ -275,7 +275,7 @@ def test_prompt_scoring_that_finds_the_pool_full_waits_for_the_running_sequences
         return "scored"
 
     async def run() -> tuple[str, Finished]:
-        gen = loop.submit([2, 10, 11], GenerationParams(max_tokens=5), engine.tokenizer.decode)
+        gen = loop.submit([2, 10, 11], GenerationParams(max_tokens=5), Detokenizer(engine.tokenizer.decode))
         result = await loop.call(work)
         events = [item async for item in gen.events()]
         return result, events[-1]

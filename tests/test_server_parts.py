@@ -121,3 +121,24 @@ def test_text_chunks_rendered_once_are_the_events_rendered_whole(model):
     assert (fast is event) == (model == TEXT_SLOT)
     for text in ["", "plain", 'quote " and \\ backslash', "line\nbreak\ttab\x00nul", "é中🙂", TEXT_SLOT, "</script>"]:
         assert fast(text) == event(text)
+
+
+def test_free_token_texts_give_the_deltas_decoding_gives():
+    """With each token's free text (Detokenizer.free), the incremental decoder emits exactly the
+    deltas it emits decoding every window: over prose, emoji and CJK made of byte pieces, control
+    tokens, and random ids from the whole vocabulary."""
+    import random
+
+    from qat4.server.generation import Detokenizer
+
+    tokenizer = tiny_tokenizer()
+    detokenizer = Detokenizer(tokenizer.decode)
+    rng = random.Random(0)
+    texts = ["Grüße, 世界! 🎉🦙 <|tool_call>call:f{}<tool_call|> done", "  two  spaces\n\nand\ttabs ", "<|turn>model\nhi"]
+    sequences = [tokenizer.encode(t) for t in texts]
+    sequences += [[rng.randrange(tokenizer.vocab_size) for _ in range(40)] for _ in range(50)]
+    for ids in sequences:
+        slow, fast = IncrementalDecoder(tokenizer.decode), IncrementalDecoder(detokenizer.decode, detokenizer.free)
+        assert [slow.push(t) for t in ids] + [slow.flush()] == [fast.push(t) for t in ids] + [fast.flush()], ids
+    assert detokenizer.free(tokenizer.encode(" world")[0]) == " world"
+    assert detokenizer.free(tokenizer.token_to_id("<0xE4>")) is None  # a byte of a longer character

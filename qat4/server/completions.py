@@ -30,7 +30,9 @@ from qat4.engine.logprobs import TokenLogprobs
 from qat4.errors import Qat4Error
 from qat4.server.chat_prompt import ChatPrompt, build_chat_prompt
 from qat4.server.errors import APIError, bad_request
-from qat4.server.generation import EngineLoop, Finished, Generation, GenerationParams, QueueFull, ShuttingDown
+from qat4.server.generation import (
+    Detokenizer, EngineLoop, Finished, Generation, GenerationParams, QueueFull, ShuttingDown,
+)
 from qat4.server.limits import RequestLimits
 from qat4.server.logprobs import CompletionLogprobs, TokenTexts
 from qat4.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -132,6 +134,7 @@ class Completions:
         self.engine, self.loop, self.model_name, self.limits = engine, loop, model_name, limits
         self.tokenizer = engine.tokenizer
         self.texts = TokenTexts(engine.tokenizer)
+        self.detokenizer = Detokenizer(self.decode)
 
     # ---- requests -> prompt ids ----------------------------------------------------------------
 
@@ -209,7 +212,7 @@ class Completions:
     def start(self, prepared: Prepared) -> Generation:
         """Queue the generation; 429 with Retry-After when the queue is full, 503 when shutting down."""
         try:
-            return self.loop.submit(prepared.prompt_ids, prepared.params, self.decode)
+            return self.loop.submit(prepared.prompt_ids, prepared.params, self.detokenizer)
         except QueueFull as exc:
             raise APIError(429, f"{exc} {self.loop.max_waiting} requests are already waiting.",
                            type="rate_limit_error", code="queue_full",

@@ -1,6 +1,6 @@
 """Many generations at once: the engine's step loop in one thread, each request fed its own tokens.
 
-`EngineLoop.submit(prompt_ids, params, decode)` queues a `Generation`, whose `events()` are text
+`EngineLoop.submit(prompt_ids, params, detokenizer)` queues a `Generation`, whose `events()` are text
 deltas (with the logprobs of their tokens, when asked for) followed by one `Finished`. One engine
 thread adds requests to the engine's batch and runs its steps while any sequence waits or runs, so
 the event loop stays free to accept, reject (429, only when the waiting queue is full) and serve
@@ -108,16 +108,49 @@ class Finished:
     timings: Timings
 
 
-class IncrementalDecoder:
-    """Token ids in, text deltas out; holds back an incomplete UTF-8 sequence until it completes."""
+class Detokenizer:
+    """A tokenizer's decode (``decode(ids)``, special tokens kept) and, found once per token and
+    kept, each token's *free* text: what it adds after any text whose characters are complete,
+    wherever it stands. A token's text is free when decoding it alone gives whole characters and
+    decoding it twice gives them twice (so no decoder step depends on its position, such as a
+    leading space stripped at the start); byte pieces of longer characters are not. For the event
+    loop's thread: a streamed token then costs a lookup instead of two decodes."""
 
     def __init__(self, decode: Callable[[list[int]], str]):
-        self._decode = decode
+        self.decode = decode
+        self._free: dict[int, str | None] = {}
+
+    def free(self, token_id: int) -> str | None:
+        try:
+            return self._free[token_id]
+        except KeyError:
+            one = self.decode([token_id])
+            text = one if one and "\ufffd" not in one and self.decode([token_id, token_id]) == one + one else None
+            self._free[token_id] = text
+            return text
+
+
+class IncrementalDecoder:
+    """Token ids in, text deltas out; holds back an incomplete UTF-8 sequence until it completes.
+
+    Each push decodes the ids from the start of the last emitted delta on (whose context keeps a
+    decoder's position-dependent steps out of the new one) and emits what they add. With
+    ``free`` (:meth:`Detokenizer.free`) a token whose text is free, pushed after complete text, is
+    emitted without decoding: the delta the window would give."""
+
+    def __init__(self, decode: Callable[[list[int]], str], free: Callable[[int], str | None] | None = None):
+        self._decode, self._free = decode, free
         self._ids: list[int] = []
         self._prefix = 0  # ids before this are already emitted and no longer re-decoded
         self._read = 0  # ids before this are emitted
 
     def push(self, token_id: int) -> str:
+        if self._free is not None and self._ids and self._read == len(self._ids):
+            text = self._free(token_id)
+            if text is not None:
+                self._ids.append(token_id)
+                self._prefix, self._read = self._read, len(self._ids)
+                return text
         self._ids.append(token_id)
         done = self._decode(self._ids[self._prefix:self._read])
         text = self._decode(self._ids[self._prefix:])
@@ -261,8 +294,9 @@ class EngineLoop:
             raise ShuttingDown("The server is shutting down." if self.failure is None else
                                f"The engine stopped after an error ({self.failure}); restart the server.")
 
-    def submit(self, prompt_ids: list[int], params: GenerationParams, decode: Callable[[list[int]], str]) -> Generation:
-        """Queue a generation (raises QueueFull when every waiting place is taken). ``prompt_ids``
+    def submit(self, prompt_ids: list[int], params: GenerationParams, detokenizer: Detokenizer) -> Generation:
+        """Queue a generation, its text decoded by ``detokenizer`` (raises QueueFull when every waiting
+        place is taken). ``prompt_ids``
         is kept, not copied (Engine.encode's list, which add_request takes without a second check):
         the caller must not change it."""
         with self._cond:
@@ -277,7 +311,7 @@ class EngineLoop:
             job = _Job(prompt_ids, params, asyncio.get_running_loop(), asyncio.Queue())
             self._inbox.append(job)
             self._cond.notify()
-        return Generation(self, job, decode)
+        return Generation(self, job, detokenizer)
 
     async def call(self, work: Callable[[Any], Result]) -> Result:
         """``work(engine)``, run on the engine thread between two steps; raises what it raises. Work
@@ -432,8 +466,8 @@ class EngineLoop:
 class Generation:
     """One queued or running generation; iterate `events()` once, `cancel()` to drop it."""
 
-    def __init__(self, loop: EngineLoop, job: _Job, decode: Callable[[list[int]], str]):
-        self._loop, self._job, self._decode = loop, job, decode
+    def __init__(self, loop: EngineLoop, job: _Job, detokenizer: Detokenizer):
+        self._loop, self._job, self._detokenizer = loop, job, detokenizer
         self._arrived = time.perf_counter()
 
     def cancel(self) -> None:
@@ -444,7 +478,8 @@ class Generation:
         """Text deltas, then one Finished. Leaving early (or being cancelled) cancels the job."""
         job, metrics = self._job, self._loop.metrics
         stop_ids = frozenset() if job.params.ignore_eos else self._loop.stop_token_ids
-        decoder, stops = IncrementalDecoder(self._decode), StopStrings(job.params.stop)
+        decoder = IncrementalDecoder(self._detokenizer.decode, self._detokenizer.free)
+        stops = StopStrings(job.params.stop)
         n, first, by_token, scored = 0, 0.0, False, []
         try:
             while (item := await job.out.get()) is not _END:
