@@ -330,9 +330,10 @@ class Engine:
     def _launch(self, batch, defer_pick: bool = False) -> StepTokens | PendingPick:
         """Enqueue a batch; with ``defer_pick`` its decode rows' pick waits for :meth:`_finish_pick`
         (their masks follow from tokens not yet read)."""
-        for seq, _ in batch.prefill:
-            if seq.new_slot:
-                self.runner.set_sampling(seq.slot, seq.params, seq.seed)
+        admitted = [seq for seq, _ in batch.prefill if seq.new_slot]
+        if admitted:
+            self.runner.set_sampling([s.slot for s in admitted], [s.params for s in admitted], [s.seed for s in admitted])
+            for seq in admitted:
                 seq.new_slot = False
         sampled = [i for i, (seq, n) in enumerate(batch.prefill) if seq.num_computed + n == seq.length and seq.wants_token]
         picking = [*batch.decode, *(batch.prefill[i][0] for i in sampled)]

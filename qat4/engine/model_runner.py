@@ -191,13 +191,21 @@ class ModelRunner:
 
     # ---- per-slot state ------------------------------------------------------------------------
 
-    def set_sampling(self, slot: int, params: SamplingParams, seed: int) -> None:
-        """A sequence's sampling parameters into its slot (temperature 0 marks a greedy row)."""
-        self.temperature[slot] = 0.0 if params.greedy else params.temperature
-        self.top_k[slot] = params.effective_top_k(self.vocab_size)
-        self.top_p[slot] = params.top_p
-        self.seed[slot] = seed
-        self.allowed[slot] = -1
+    def set_sampling(self, slots: list[int], params: list[SamplingParams], seeds: list[int]) -> None:
+        """Newly admitted sequences' sampling parameters into their slots (temperature 0 marks a
+        greedy row), their allowed-token rows back to all ones. Two pinned uploads without a wait,
+        one for the integers and one for the floats: a Python number written into a device tensor
+        is a blocking copy, which would stall the host until the step in flight had finished."""
+        index, top_k, seed = self.pool.uploads.new([slots, [p.effective_top_k(self.vocab_size) for p in params], seeds])
+        floats = torch.tensor([[0.0 if p.greedy else p.temperature for p in params], [p.top_p for p in params]],
+                              dtype=torch.float32)
+        if self.device.type == "cuda":
+            floats = floats.pin_memory().to(self.device, non_blocking=True)
+        self.temperature.index_copy_(0, index, floats[0])
+        self.top_p.index_copy_(0, index, floats[1])
+        self.top_k.index_copy_(0, index, top_k)
+        self.seed.index_copy_(0, index, seed)
+        self.allowed.index_fill_(0, index, -1)
 
     def set_allowed(self, slots: list[int], bitmasks: torch.Tensor) -> None:
         """The allowed-token bitmasks [len(slots), W] int32 of constrained sequences into their
