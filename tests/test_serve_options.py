@@ -58,6 +58,21 @@ def test_serve_shortens_the_switch_interval_before_it_listens(monkeypatch):
     assert listening_at == [[serve.SWITCH_INTERVAL_S]] and serve.SWITCH_INTERVAL_S < 0.001
 
 
+def test_serve_freezes_the_loaded_objects_before_it_listens(monkeypatch):
+    """The garbage collector's full passes skip what loading made (the engine's, the tokenizer's
+    objects), so they no longer hold the GIL for a pass over the whole heap while tokens stream."""
+    import gc
+
+    from qat4.cli import main
+    from qat4.commands import serve
+
+    frozen_at_listen = []
+    monkeypatch.setattr(gc, "freeze", lambda: frozen_at_listen.append("frozen"))  # the test process keeps its heap
+    monkeypatch.setattr(serve._Server, "run", lambda self: frozen_at_listen.append("listening"))
+    assert main(["serve", "--model", "synthetic:tiny", "--device", "cpu", "--max-ctx", "64"]) == 0
+    assert frozen_at_listen == ["frozen", "listening"]
+
+
 def test_a_detached_server_gets_the_flags_that_differ_from_their_defaults():
     """`qat4 serve --detach` hands the server it starts the flags given, --no-X included."""
     from qat4.commands import serve

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from qat4.commands.model_args import synthetic_tokenizer  # noqa: E402
-from qat4.commands.serve import SWITCH_INTERVAL_S  # noqa: E402
+from qat4.commands.serve import SWITCH_INTERVAL_S, freeze_loaded_objects  # noqa: E402
 from qat4.config import E2B, PRESETS  # noqa: E402
 from qat4.engine import Engine, SamplingParams, StepOutput  # noqa: E402
 from qat4.engine.sequence import Sequence, State  # noqa: E402
@@ -167,6 +167,7 @@ def serve(args: argparse.Namespace) -> None:
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
     engine = PacedEngine(parse_steps(args.step_ms), args.host_ms, args.prompt_us, args.max_num_seqs)
     app = create_app(engine, max_queue=256)
+    freeze_loaded_objects()
     uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning",
                                   http=HeaderTimeoutProtocol)).run()
 

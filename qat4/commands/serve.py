@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import sys
 from collections.abc import Callable
@@ -30,6 +31,16 @@ DETACH_OPTIONS = ("pid_file", "log_file", "startup_timeout")  # the flags that g
 # step) for the other to let go, so the engine could wait most of a step to launch the next one
 # while the event loop wrote out the last step's tokens. tools/serve_overhead.py measures this.
 SWITCH_INTERVAL_S = 0.0005
+
+
+def freeze_loaded_objects() -> None:
+    """Collect what loading left behind, then move every object still alive (the modules', the
+    tokenizer's, the engine's: a few hundred thousand) out of the garbage collector's sight. A
+    full collection walks every tracked object while it holds the GIL, so the engine thread
+    launches no step meanwhile; over the loaded heap one took 123 ms while 64 clients streamed
+    (tools/serve_overhead.py, 1,280 requests), frozen 4.7 ms."""
+    gc.collect()
+    gc.freeze()
 # Not passed on to the detached server as flags: serve_command sets these, and the API key goes in its
 # environment, where no process list or pid file shows it.
 SET_APART = ("detach", *DETACH_OPTIONS, "model", "host", "port", "device", "log_level", "api_key")
@@ -216,5 +227,6 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=HeaderTimeoutProtocol,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    freeze_loaded_objects()
     _Server(config, app.state.engine_loop.close).run()
     return 0
