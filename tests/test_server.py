@@ -247,6 +247,15 @@ def test_metrics_move(real):
     assert metric(after.text, "qat4_generated_tokens_total") > metric(before, "qat4_generated_tokens_total")
     assert metric(after.text, "qat4_prompt_tokens_total") > metric(before, "qat4_prompt_tokens_total")
     assert metric(after.text, "qat4_time_to_first_token_seconds_count") == metric(before, "qat4_time_to_first_token_seconds_count") + 1
+    moved = {name: metric(after.text, name) - metric(before, name) for name in (
+        "qat4_time_to_first_token_seconds_sum", "qat4_request_queue_seconds_sum", "qat4_request_prefill_seconds_sum",
+        "qat4_request_queue_seconds_count", "qat4_request_prefill_seconds_count", "qat4_time_per_output_token_seconds_count")}
+    assert moved["qat4_request_queue_seconds_count"] == moved["qat4_request_prefill_seconds_count"] == 1
+    assert moved["qat4_time_per_output_token_seconds_count"] == 1  # two tokens: one gap
+    # the first token's wait, split at the admission into the batch
+    assert moved["qat4_request_queue_seconds_sum"] + moved["qat4_request_prefill_seconds_sum"] == pytest.approx(
+        moved["qat4_time_to_first_token_seconds_sum"], abs=1e-5)
+    assert moved["qat4_request_prefill_seconds_sum"] > 0
     assert metric(after.text, 'qat4_request_duration_seconds_bucket{le="+Inf"}') > metric(before, 'qat4_request_duration_seconds_bucket{le="+Inf"}')
     assert "# TYPE qat4_queue_depth gauge" in after.text and metric(after.text, "qat4_queue_depth") == 0
     assert metric(after.text, "qat4_batch_size_count") > metric(before, "qat4_batch_size_count")

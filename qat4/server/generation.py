@@ -488,6 +488,10 @@ class Generation:
                 if n == 0:
                     first = time.perf_counter()
                     metrics.ttft.observe(first - self._arrived)
+                    admitted = job.seq.started if job.seq is not None else None
+                    if admitted:
+                        metrics.queue_time.observe(admitted - self._arrived)
+                        metrics.prefill_time.observe(first - admitted)
                 n += 1
                 if item.token in stop_ids:
                     by_token = True
@@ -516,6 +520,8 @@ class Generation:
         end = time.perf_counter()
         reason = "stop" if by_token or stops.hit or n < job.params.max_tokens else "length"
         metrics.generations.inc(reason)
+        if n >= 2:
+            metrics.tpot.observe((end - first) / (n - 1))
         prompt_ms = ((first if n else end) - (job.started_at or self._arrived)) * 1e3
         timings = Timings(len(job.prompt_ids) - cached, prompt_ms, n, (end - first) * 1e3 if n else 0.0, cached,
                           drafted, accepted)

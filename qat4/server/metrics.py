@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 LabelKey = tuple[str, ...]
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TOKEN_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -141,6 +142,9 @@ class Metrics:
         self.rejected = Counter("qat4_queue_rejections_total", "Requests answered 429 because the queue was full.", (), lock)
         self.latency = Histogram("qat4_request_duration_seconds", "HTTP request latency, to the last byte sent.", LATENCY_BUCKETS, lock)
         self.ttft = Histogram("qat4_time_to_first_token_seconds", "From a generation request's arrival (queue wait included) to its first token.", LATENCY_BUCKETS, lock)
+        self.queue_time = Histogram("qat4_request_queue_seconds", "From a generation request's arrival to its admission into the running batch (the first part of its time to first token).", LATENCY_BUCKETS, lock)
+        self.prefill_time = Histogram("qat4_request_prefill_seconds", "From a generation's admission into the running batch to its first token: its prompt's read (the second part of its time to first token).", LATENCY_BUCKETS, lock)
+        self.tpot = Histogram("qat4_time_per_output_token_seconds", "A finished generation's time from its first token to its end, per token after the first.", TOKEN_BUCKETS, lock)
         self.queue_depth = Gauge("qat4_queue_depth", "Generation requests waiting to join the running batch.", (), lock)
         self.running = Gauge("qat4_running_sequences", "Sequences in the running batch.", (), lock)
         self.busy = Gauge("qat4_engine_busy", "1 while the engine is generating.", (), lock)
@@ -149,9 +153,6 @@ class Metrics:
         self.batch_size = Histogram("qat4_batch_size", "Sequences in the running batch, once per engine step.", BATCH_BUCKETS, lock)
 
     def render(self) -> str:
-        with self._lock:
-            metrics = (self.requests, self.prompt_tokens, self.cache_hits, self.cache_misses, self.generated_tokens,
-                       self.drafted, self.draft_accepted, self.generations, self.rejected, self.latency, self.ttft, self.queue_depth, self.running,
-                       self.busy, self.kv_usage, self.cached_blocks, self.batch_size)
-            lines = [line for m in metrics for line in m.render()]
+        with self._lock:  # every metric defined above, in that order
+            lines = [line for m in vars(self).values() if isinstance(m, _Metric) for line in m.render()]
         return "\n".join(lines) + "\n"
