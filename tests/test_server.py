@@ -255,7 +255,7 @@ def test_metrics_move(real):
     # the first token's wait, split at the admission into the batch
     assert moved["qat4_request_queue_seconds_sum"] + moved["qat4_request_prefill_seconds_sum"] == pytest.approx(
         moved["qat4_time_to_first_token_seconds_sum"], abs=1e-5)
-    assert moved["qat4_request_prefill_seconds_sum"] > 0
+    assert moved["qat4_request_queue_seconds_sum"] >= 0 and moved["qat4_request_prefill_seconds_sum"] > 0
     assert metric(after.text, 'qat4_request_duration_seconds_bucket{le="+Inf"}') > metric(before, 'qat4_request_duration_seconds_bucket{le="+Inf"}')
     assert "# TYPE qat4_queue_depth gauge" in after.text and metric(after.text, "qat4_queue_depth") == 0
     assert metric(after.text, "qat4_batch_size_count") > metric(before, "qat4_batch_size_count")
@@ -263,6 +263,12 @@ def test_metrics_move(real):
     httpx.get(real.url + "/v1/models/tiny")
     counted = httpx.get(real.url + "/metrics").text
     assert metric(counted, 'qat4_requests_total{endpoint="/v1/models/{id}",status="200"}') == 1
+    # the split is the engine's admission: the prefill part is the reply's prompt_ms
+    mark = httpx.get(real.url + "/metrics").text
+    timings = httpx.post(real.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60).json()["timings"]
+    prefill = metric(httpx.get(real.url + "/metrics").text, "qat4_request_prefill_seconds_sum") - metric(
+        mark, "qat4_request_prefill_seconds_sum")
+    assert prefill == pytest.approx(timings["prompt_ms"] / 1e3, abs=1e-5)
 
 
 def test_api_key():

@@ -32,6 +32,10 @@ DETACH_OPTIONS = ("pid_file", "log_file", "startup_timeout")  # the flags that g
 # while the event loop wrote out the last step's tokens. tools/serve_overhead.py measures this.
 SWITCH_INTERVAL_S = 0.0005
 
+# Not passed on to the detached server as flags: serve_command sets these, and the API key goes in its
+# environment, where no process list or pid file shows it.
+SET_APART = ("detach", *DETACH_OPTIONS, "model", "host", "port", "device", "log_level", "api_key")
+
 
 def freeze_loaded_objects() -> None:
     """Collect what loading left behind, then move every object still alive (the modules', the
@@ -41,9 +45,6 @@ def freeze_loaded_objects() -> None:
     (tools/serve_overhead.py, 1,280 requests), frozen 4.7 ms."""
     gc.collect()
     gc.freeze()
-# Not passed on to the detached server as flags: serve_command sets these, and the API key goes in its
-# environment, where no process list or pid file shows it.
-SET_APART = ("detach", *DETACH_OPTIONS, "model", "host", "port", "device", "log_level", "api_key")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -198,9 +198,7 @@ class ModelRunner:
         is a blocking copy, which would stall the host until the step in flight had finished."""
         index, top_k, seed = self.pool.uploads.new([slots, [p.effective_top_k(self.vocab_size) for p in params], seeds])
         floats = torch.tensor([[0.0 if p.greedy else p.temperature for p in params], [p.top_p for p in params]],
-                              dtype=torch.float32)
-        if self.device.type == "cuda":
-            floats = floats.pin_memory().to(self.device, non_blocking=True)
+                              dtype=torch.float32, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
         self.temperature.index_copy_(0, index, floats[0])
         self.top_p.index_copy_(0, index, floats[1])
         self.top_k.index_copy_(0, index, top_k)

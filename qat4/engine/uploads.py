@@ -1,8 +1,9 @@
 """The engine's small host-to-device copies: rows of ints straight into a device buffer.
 
 Every step sends a few hundred integers to the device: its tokens, positions and slots (except a
-verifying step, whose graph copies its rows in itself: ``ModelRunner.load_rows``), and the
-block-table entries allocated since the step before. ``tensor.pin_memory().to(device)`` costs some
+verifying step, whose graph copies its rows in itself: ``ModelRunner.load_rows``), the
+block-table entries allocated since the step before, and the slots and integer sampling parameters
+of the sequences it admits. ``tensor.pin_memory().to(device)`` costs some
 45 µs on an H200's host for that (a block from the caching host allocator, a new device tensor,
 then a second copy into the step's buffer), and a speculating step pays it while the GPU waits
 (:mod:`qat4.engine.speculation`). An :class:`Uploader` writes the rows into one of a ring of

@@ -201,8 +201,9 @@ class _Job:
     params: GenerationParams
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
+    arrived: float = 0.0  # handed to the engine loop (perf_counter), before the engine thread can see it
     seq: Any = None  # the engine's sequence, once the engine thread has added it
-    started_at: float = 0.0  # admitted to the running batch
+    started_at: float = 0.0  # admitted to the running batch the first time
     gone: bool = False  # the request left: abort at the next chance
 
     def put(self, item: Any) -> None:
@@ -308,7 +309,7 @@ class EngineLoop:
                 self.metrics.rejected.inc()
                 waiting = max(0, ahead - room)
                 raise QueueFull(max(1, math.ceil(self._seconds_per_request * (waiting + 1) / max(1, len(scheduler.running)))))
-            job = _Job(prompt_ids, params, asyncio.get_running_loop(), asyncio.Queue())
+            job = _Job(prompt_ids, params, asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
             self._inbox.append(job)
             self._cond.notify()
         return Generation(self, job, detokenizer)
@@ -468,7 +469,6 @@ class Generation:
 
     def __init__(self, loop: EngineLoop, job: _Job, detokenizer: Detokenizer):
         self._loop, self._job, self._detokenizer = loop, job, detokenizer
-        self._arrived = time.perf_counter()
 
     def cancel(self) -> None:
         """Stop at once: a waiting request never starts, a running one leaves before the next step."""
@@ -487,11 +487,10 @@ class Generation:
                     raise item
                 if n == 0:
                     first = time.perf_counter()
-                    metrics.ttft.observe(first - self._arrived)
-                    admitted = job.seq.started if job.seq is not None else None
-                    if admitted:
-                        metrics.queue_time.observe(admitted - self._arrived)
-                        metrics.prefill_time.observe(first - admitted)
+                    metrics.ttft.observe(first - job.arrived)
+                    if job.started_at:  # the admission time, handed over with the token (engines that keep one)
+                        metrics.queue_time.observe(job.started_at - job.arrived)
+                        metrics.prefill_time.observe(first - job.started_at)
                 n += 1
                 if item.token in stop_ids:
                     by_token = True
@@ -522,7 +521,7 @@ class Generation:
         metrics.generations.inc(reason)
         if n >= 2:
             metrics.tpot.observe((end - first) / (n - 1))
-        prompt_ms = ((first if n else end) - (job.started_at or self._arrived)) * 1e3
+        prompt_ms = ((first if n else end) - (job.started_at or job.arrived)) * 1e3
         timings = Timings(len(job.prompt_ids) - cached, prompt_ms, n, (end - first) * 1e3 if n else 0.0, cached,
                           drafted, accepted)
         yield Finished(reason, len(job.prompt_ids), n, timings)
