@@ -633,3 +633,26 @@ def test_ctrl_c_ends_open_answers_at_once(tmp_path):
         proc.kill()
     log = proc.stdout.read()
     assert proc.returncode in (-signal.SIGINT, 0) and "Exception in ASGI application" not in log, log
+
+
+def test_small_plain_requests_are_prepared_on_the_event_loop_and_the_rest_in_a_worker(scripted):
+    """A hop to a worker thread and back waits its turn for the interpreter under load, so a small
+    request without a grammar is parsed and encoded on the event loop; a grammar's compilation, a
+    long prompt's encoding and a long chat's rendering go to a worker thread and never hold the
+    other streams."""
+    engine, client = scripted.engine, openai_client(scripted)
+    threads = []
+    encode = engine.encode
+    engine.encode = lambda prompt: (threads.append(threading.current_thread().name)  # noqa: E731
+                                    if threading.current_thread().name != "qat4-engine" else None) or encode(prompt)
+    engine.reply = '"a": 1}<turn|>'
+    ask = lambda content, **extra: client.chat.completions.create(  # noqa: E731
+        model="m", messages=[{"role": "user", "content": content}], max_completion_tokens=4, **extra)
+    ask("Hi")
+    client.completions.create(model="m", prompt="Hi", max_tokens=2)
+    ask("Hi", response_format={"type": "json_object"})
+    ask("hello " * 3000)  # a body over INLINE_BODY_BYTES
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}] * 17, max_completion_tokens=4)
+    loop_thread = scripted._thread.name  # uvicorn's event loop runs in the LiveServer's thread
+    assert threads[:2] == [loop_thread, loop_thread] and len(threads) == 5
+    assert loop_thread not in threads[2:]

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
@@ -39,10 +39,26 @@ log = logging.getLogger("qat4.server")
 
 PUBLIC_PATHS = frozenset({"/", "/health"})
 MAX_BODY_BYTES = 64 << 20
+INLINE_BODY_BYTES = 16 << 10  # a body prepared on the event loop is at most this size (encoded in ~1 ms on a slow core)
+INLINE_MESSAGES = 16  # and a chat there has at most this many messages (rendered in ~1 ms on a slow core)
 BODY_TIMEOUT_S = 60.0  # a body that trickles in slower holds a connection for nothing
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_GONE = 499  # status recorded for requests whose client disconnected (nginx's convention)
 MODEL_ROUTE = "/v1/models/{id}"  # the endpoint label of every /v1/models/ID request
+
+
+Result = TypeVar("Result")
+
+
+def _itself(value: Any) -> Any:
+    return value
+
+
+def _prepared_inline(req: Model) -> bool:
+    """Whether preparing a small body's request is a millisecond's work at most, fit for the event
+    loop: no grammar to compile, and a chat of at most INLINE_MESSAGES messages (its rendering
+    grows with the square of their count)."""
+    return not getattr(req, "constrained", False) and len(getattr(req, "messages", ())) <= INLINE_MESSAGES
 
 
 def _is_loopback(host: str) -> bool:
@@ -136,9 +152,13 @@ class Gate:
             self.metrics.latency.observe(time.perf_counter() - start)
 
 
-async def parse(model: type[Model], request: Request) -> Model:
-    """The request body (at most MAX_BODY_BYTES, sent within BODY_TIMEOUT_S) validated as `model`,
-    parsed off the event loop."""
+async def parse(model: type[Model], request: Request, then: Callable[[Model], Result] = _itself) -> Result:
+    """``then(request body validated as model)``. The body (at most MAX_BODY_BYTES, sent within
+    BODY_TIMEOUT_S) is parsed, checked and handed to ``then`` on the event loop when that is a
+    millisecond's work at most (INLINE_BODY_BYTES, :func:`_prepared_inline`), else in one worker
+    thread: under load a hop to a thread and back waits its turn for the interpreter, which delayed
+    every request by milliseconds before the engine saw it, while a grammar's compilation or a long
+    prompt's encoding must not hold the streams of everyone else."""
     chunks, size = [], 0
     try:
         async with asyncio.timeout(BODY_TIMEOUT_S):
@@ -149,7 +169,11 @@ async def parse(model: type[Model], request: Request) -> Model:
                 chunks.append(chunk)
     except TimeoutError:
         raise APIError(408, f"The request body did not arrive within {BODY_TIMEOUT_S:g} s.") from None
-    return await asyncio.to_thread(parse_body, model, b"".join(chunks))
+    raw = b"".join(chunks)
+    if size > INLINE_BODY_BYTES:
+        return await asyncio.to_thread(lambda: then(parse_body(model, raw)))
+    req = parse_body(model, raw)
+    return then(req) if _prepared_inline(req) else await asyncio.to_thread(then, req)
 
 
 async def _client_gone(request: Request) -> None:
@@ -257,37 +281,39 @@ def create_app(engine: Any, *, api_key: str | None = None, max_queue: int = 64,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await parse(ChatCompletionRequest, request)
-        prepared = await asyncio.to_thread(completions.prepare_chat, req)
+        req, prepared = await parse(ChatCompletionRequest, request, lambda req: (req, completions.prepare_chat(req)))
         gen = completions.start(prepared)
         return await respond(request, gen, req.stream, partial(completions.chat_stream, prepared, gen),
                              partial(completions.chat, prepared, gen))
 
     @app.post("/v1/completions")
     async def text_completions(request: Request) -> Response:
-        req = await parse(CompletionRequest, request)
-        prepared = await asyncio.to_thread(completions.prepare_text, req)
+        req, prepared = await parse(CompletionRequest, request, lambda req: (req, completions.prepare_text(req)))
         gen = completions.start(prepared)
         return await respond(request, gen, req.stream, partial(completions.text_stream, prepared, gen),
                              partial(completions.text, prepared, gen))
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
-        req = await parse(TokenizeRequest, request)
+    def encode(req: TokenizeRequest) -> list[int]:
         text, param = req.text()
         completions.limits.check_text(text, param)
-        ids = await asyncio.to_thread(tokenizer.encode, text, add_bos=req.with_bos())
-        return {"tokens": list(ids), "count": len(ids), "max_model_len": engine.max_ctx}
+        return tokenizer.encode(text, add_bos=req.with_bos())
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> dict[str, Any]:
-        req = await parse(DetokenizeRequest, request)
+    def decode(req: DetokenizeRequest) -> str:
         vocab = engine.config.vocab_size
         bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"Token id {req.tokens[bad]} at tokens[{bad}] is outside the vocabulary of {vocab}.",
                               param=f"tokens[{bad}]")
-        text = await asyncio.to_thread(tokenizer.decode, req.tokens, skip_special=False)
+        return tokenizer.decode(req.tokens, skip_special=False)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        ids = await parse(TokenizeRequest, request, encode)
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": engine.max_ctx}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        text = await parse(DetokenizeRequest, request, decode)
         return {"content": text, "prompt": text}
 
     @app.get("/tokenizer_info")
@@ -299,8 +325,7 @@ def create_app(engine: Any, *, api_key: str | None = None, max_queue: int = 64,
 
     @app.post("/apply-template")
     async def apply_template(request: Request) -> dict[str, Any]:
-        req = await parse(ChatCompletionRequest, request)
-        return {"prompt": (await asyncio.to_thread(completions.render, req)).text}
+        return {"prompt": (await parse(ChatCompletionRequest, request, completions.render)).text}
 
     endpoints = frozenset(r.path for r in app.routes if hasattr(r, "path")) - {"/v1/models/{model_id:path}"}
     app.add_middleware(Gate, api_key=api_key, metrics=metrics, endpoints=endpoints,

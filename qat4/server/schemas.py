@@ -177,6 +177,11 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("enable_thinking must be true or false")
         return value
 
+    @property
+    def constrained(self) -> bool:
+        """Whether the reply may follow a grammar, compiled when the request is prepared: tools or a JSON format."""
+        return bool(self.tools) or (self.response_format is not None and self.response_format.type != "text")
+
     def token_limit(self) -> int | None:
         """max_completion_tokens, else max_tokens, else None (the rest of the context)."""
         return self.max_completion_tokens or self.max_tokens
@@ -204,6 +209,12 @@ class CompletionRequest(SamplingRequest):
     """llama.cpp's field: the text is JSON matching this JSON Schema."""
     grammar: str | None = Field(default=None, min_length=1)
     """llama.cpp's field: the text follows this GBNF grammar (start rule `root`)."""
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the text follows a grammar, compiled when the request is prepared."""
+        return (self.json_schema is not None or self.grammar is not None
+                or (self.response_format is not None and self.response_format.type != "text"))
 
     @field_validator("prompt")
     @classmethod
