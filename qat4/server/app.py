@@ -7,6 +7,7 @@ carries on. With an API key every route but `/` and `/health` needs `Authorizati
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import logging
@@ -221,6 +222,10 @@ def create_app(engine: Any, *, api_key: str | None = None, max_queue: int = 64,
     metrics = Metrics()
     loop = EngineLoop(engine, engine.stop_token_ids, max_queue, metrics)
     completions = Completions(engine, loop, model_name, limits or RequestLimits.for_context(engine.max_ctx))
+    # the chat template compiled now, not on the event loop in the first chat (some 90 ms on a slow core);
+    # one that cannot render fails each chat request with its own message, as it would without this
+    with contextlib.suppress(Exception):
+        completions.render(ChatCompletionRequest(messages=[{"role": "user", "content": ""}]))
     tokenizer = engine.tokenizer
     process = ProcessInfo(engine.device)
     page = resources.files("qat4.server").joinpath("static/index.html").read_text(encoding="utf-8")
