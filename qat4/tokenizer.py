@@ -151,7 +151,9 @@ class _PieceCache:
 
     def __init__(self, hf: tokenizers.Tokenizer, added: dict[str, int]):
         self._hf, self._added = hf, added
-        self._lengths = sorted({len(t) for t in added}, reverse=True)
+        # the longest added token at the leftmost place, as one scan in C (a Python loop over every
+        # '<' and every token length took 7 ms for 2,000 of them)
+        self._pattern = re.compile("|".join(map(re.escape, sorted(added, key=len, reverse=True))) or "(?!)")
         self._ids: OrderedDict[str, list[int]] = OrderedDict()
         self._chars = 0
         self._lock = threading.Lock()
@@ -165,16 +167,11 @@ class _PieceCache:
         return cls(hf, {t.content: i for i, t in tokens.items()})
 
     def encode(self, text: str) -> list[int]:
-        ids, start, at = [], 0, text.find("<")
-        while at >= 0:
-            token = next((text[at : at + n] for n in self._lengths if text[at : at + n] in self._added), None)
-            if token is None:
-                at = text.find("<", at + 1)
-                continue
-            ids += self._piece(text[start:at])
-            ids.append(self._added[token])
-            start = at + len(token)
-            at = text.find("<", start)
+        ids, start = [], 0
+        for match in self._pattern.finditer(text):
+            ids += self._piece(text[start : match.start()])
+            ids.append(self._added[match.group()])
+            start = match.end()
         return ids + self._piece(text[start:])
 
     def _piece(self, piece: str) -> list[int]:

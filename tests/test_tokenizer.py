@@ -273,8 +273,8 @@ def test_encoding_piece_by_piece_with_the_cache_gives_the_whole_encode(json_toke
     hf = json_tokenizer._hf
     assert json_tokenizer._pieces is not None
     rng = random.Random(0)
-    for _ in range(60):
-        text = _random_chat_text(rng, WORDS)
+    texts = [_random_chat_text(rng, WORDS) for _ in range(60)] + ["<" * 2000, "<|" * 1000, "a<bos>" * 300]
+    for text in texts:
         want = hf.encode(text, add_special_tokens=False).ids
         assert json_tokenizer.encode(text) == want and json_tokenizer.encode(text) == want, text[:120]
 
