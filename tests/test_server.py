@@ -638,8 +638,8 @@ def test_ctrl_c_ends_open_answers_at_once(tmp_path):
 def test_small_plain_requests_are_prepared_on_the_event_loop_and_the_rest_in_a_worker(scripted):
     """A hop to a worker thread and back waits its turn for the interpreter under load, so a small
     request without a grammar is parsed and encoded on the event loop; a grammar's compilation, a
-    long prompt's encoding and a long chat's rendering go to a worker thread and never hold the
-    other streams."""
+    long prompt's encoding and a long chat's or a tool call's rendering go to a worker thread and
+    never hold the other streams."""
     engine, client = scripted.engine, openai_client(scripted)
     threads = []
     encode = engine.encode
@@ -650,9 +650,23 @@ def test_small_plain_requests_are_prepared_on_the_event_loop_and_the_rest_in_a_w
         model="m", messages=[{"role": "user", "content": content}], max_completion_tokens=4, **extra)
     ask("Hi")
     client.completions.create(model="m", prompt="Hi", max_tokens=2)
+    client.completions.create(model="m", prompt=[1000 + i for i in range(1500)], max_tokens=2)  # 9 KB of ids
     ask("Hi", response_format={"type": "json_object"})
-    ask("hello " * 3000)  # a body over INLINE_BODY_BYTES
+    ask("hello " * 400)  # a text body over INLINE_TEXT_BYTES
     client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}] * 17, max_completion_tokens=4)
+    called = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    client.chat.completions.create(model="m", max_completion_tokens=4, messages=[
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [called]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}])
     loop_thread = scripted._thread.name  # uvicorn's event loop runs in the LiveServer's thread
-    assert threads[:2] == [loop_thread, loop_thread] and len(threads) == 5
-    assert loop_thread not in threads[2:]
+    assert threads[:3] == [loop_thread] * 3 and len(threads) == 7
+    assert loop_thread not in threads[3:]
+
+
+def test_the_chat_template_is_compiled_when_the_app_is_built():
+    """A small chat is rendered on the event loop, so the template's first compilation comes before any request."""
+    from qat4.chat import template
+
+    template._compile.cache_clear()
+    create_app(ScriptedEngine(), model_name="scripted")
+    assert template._compile.cache_info().currsize == 1

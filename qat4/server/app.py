@@ -40,8 +40,11 @@ log = logging.getLogger("qat4.server")
 
 PUBLIC_PATHS = frozenset({"/", "/health"})
 MAX_BODY_BYTES = 64 << 20
-INLINE_BODY_BYTES = 16 << 10  # a body prepared on the event loop is at most this size (encoded in ~1 ms on a slow core)
-INLINE_MESSAGES = 16  # and a chat there has at most this many messages (rendered in ~1 ms on a slow core)
+# What a request may hold to be parsed and prepared on the event loop (_prepared_inline), each about
+# a millisecond's work at most on a slow core:
+INLINE_IDS_BYTES = 16 << 10  # a text completion's body whose prompt is token ids (nothing to encode)
+INLINE_TEXT_BYTES = 2 << 10  # any other body (text the tokenizer splits a piece a character: 2 µs a byte)
+INLINE_MESSAGES = 16  # the messages of a chat (its rendering grows with the square of their count)
 BODY_TIMEOUT_S = 60.0  # a body that trickles in slower holds a connection for nothing
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_GONE = 499  # status recorded for requests whose client disconnected (nginx's convention)
@@ -55,11 +58,16 @@ def _itself(value: Any) -> Any:
     return value
 
 
-def _prepared_inline(req: Model) -> bool:
-    """Whether preparing a small body's request is a millisecond's work at most, fit for the event
-    loop: no grammar to compile, and a chat of at most INLINE_MESSAGES messages (its rendering
-    grows with the square of their count)."""
-    return not getattr(req, "constrained", False) and len(getattr(req, "messages", ())) <= INLINE_MESSAGES
+def _prepared_inline(req: Model, size: int) -> bool:
+    """Whether preparing a request of a ``size``-byte body is a millisecond's work at most, fit for
+    the event loop: no grammar to compile, no tool calls to render (their arguments cost the
+    template some 3 µs a byte), at most INLINE_MESSAGES messages, and at most INLINE_TEXT_BYTES of
+    body, or INLINE_IDS_BYTES for a prompt of token ids that is not echoed."""
+    messages = getattr(req, "messages", None) or ()
+    if getattr(req, "constrained", False) or len(messages) > INLINE_MESSAGES or any(m.tool_calls for m in messages):
+        return False
+    ids = isinstance(req, CompletionRequest) and isinstance(req.prompt, list) and not req.echo
+    return size <= (INLINE_IDS_BYTES if ids else INLINE_TEXT_BYTES)
 
 
 def _is_loopback(host: str) -> bool:
@@ -156,10 +164,10 @@ class Gate:
 async def parse(model: type[Model], request: Request, then: Callable[[Model], Result] = _itself) -> Result:
     """``then(request body validated as model)``. The body (at most MAX_BODY_BYTES, sent within
     BODY_TIMEOUT_S) is parsed, checked and handed to ``then`` on the event loop when that is a
-    millisecond's work at most (INLINE_BODY_BYTES, :func:`_prepared_inline`), else in one worker
-    thread: under load a hop to a thread and back waits its turn for the interpreter, which delayed
-    every request by milliseconds before the engine saw it, while a grammar's compilation or a long
-    prompt's encoding must not hold the streams of everyone else."""
+    millisecond's work at most (:func:`_prepared_inline`), else in one worker thread. Under load a
+    hop to a thread and back waits its turn for the interpreter, which delayed every request by
+    milliseconds before the engine saw it; a grammar's compilation or a long prompt's encoding
+    must not hold the streams of everyone else."""
     chunks, size = [], 0
     try:
         async with asyncio.timeout(BODY_TIMEOUT_S):
@@ -171,10 +179,10 @@ async def parse(model: type[Model], request: Request, then: Callable[[Model], Re
     except TimeoutError:
         raise APIError(408, f"The request body did not arrive within {BODY_TIMEOUT_S:g} s.") from None
     raw = b"".join(chunks)
-    if size > INLINE_BODY_BYTES:
+    if size > max(INLINE_IDS_BYTES, INLINE_TEXT_BYTES):
         return await asyncio.to_thread(lambda: then(parse_body(model, raw)))
     req = parse_body(model, raw)
-    return then(req) if _prepared_inline(req) else await asyncio.to_thread(then, req)
+    return then(req) if _prepared_inline(req, size) else await asyncio.to_thread(then, req)
 
 
 async def _client_gone(request: Request) -> None:
