@@ -54,10 +54,6 @@ MODEL_ROUTE = "/v1/models/{id}"  # the endpoint label of every /v1/models/ID req
 Result = TypeVar("Result")
 
 
-def _itself(value: Any) -> Any:
-    return value
-
-
 def _prepared_inline(req: Model, size: int) -> bool:
     """Whether preparing a request of a ``size``-byte body is a millisecond's work at most, fit for
     the event loop: no grammar to compile, no tool calls to render (their arguments cost the
@@ -161,7 +157,7 @@ class Gate:
             self.metrics.latency.observe(time.perf_counter() - start)
 
 
-async def parse(model: type[Model], request: Request, then: Callable[[Model], Result] = _itself) -> Result:
+async def parse(model: type[Model], request: Request, then: Callable[[Model], Result]) -> Result:
     """``then(request body validated as model)``. The body (at most MAX_BODY_BYTES, sent within
     BODY_TIMEOUT_S) is parsed, checked and handed to ``then`` on the event loop when that is a
     millisecond's work at most (:func:`_prepared_inline`), else in one worker thread. Under load a

@@ -210,11 +210,18 @@ class CompletionRequest(SamplingRequest):
     grammar: str | None = Field(default=None, min_length=1)
     """llama.cpp's field: the text follows this GBNF grammar (start rule `root`)."""
 
+    def constraint_fields(self) -> list[str]:
+        """The fields given that constrain the text (a grammar, compiled when the request is
+        prepared): `response_format` other than text, `json_schema`, `grammar`, in that order."""
+        fmt = self.response_format
+        return [name for name, given in (("response_format", fmt is not None and fmt.type != "text"),
+                                         ("json_schema", self.json_schema is not None),
+                                         ("grammar", self.grammar is not None)) if given]
+
     @property
     def constrained(self) -> bool:
         """Whether the text follows a grammar, compiled when the request is prepared."""
-        return (self.json_schema is not None or self.grammar is not None
-                or (self.response_format is not None and self.response_format.type != "text"))
+        return bool(self.constraint_fields())
 
     @field_validator("prompt")
     @classmethod

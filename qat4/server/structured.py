@@ -52,9 +52,7 @@ def chat_constraint(tokenizer: Any, stop_ids: Sequence[int], grammar: ReplyGramm
 def completion_constraint(tokenizer: Any, stop_ids: Sequence[int], req: CompletionRequest) -> GrammarConstraint | None:
     """The constraint of a text completion that ends on ``stop_ids`` (the engine's): `response_format`,
     `json_schema` or `grammar`, at most one."""
-    fmt = req.response_format if req.response_format is not None and req.response_format.type != "text" else None
-    given = [name for name, value in (("response_format", fmt), ("json_schema", req.json_schema),
-                                      ("grammar", req.grammar)) if value is not None]
+    given = req.constraint_fields()
     if not given:
         return None
     if len(given) > 1:
@@ -66,6 +64,7 @@ def completion_constraint(tokenizer: Any, stop_ids: Sequence[int], req: Completi
             return grammars.gbnf(req.grammar)
         if req.json_schema is not None:
             return grammars.json(req.json_schema)
+        fmt = req.response_format
         return grammars.json(fmt.json_schema.schema_ if fmt.type == "json_schema" and fmt.json_schema else None)
     except ValueError as exc:
         param = {"response_format": "response_format.json_schema.schema"}.get(given[0], given[0])
