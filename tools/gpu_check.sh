@@ -27,7 +27,8 @@
 #     mtp      the same as spec with a synthetic E2B MTP drafter: its drafts' cost, paid in every replayed step
 #     grammar  the decode step with every row constrained by a JSON schema against unconstrained, at 1 and 16 rows
 #              (tools/bench_grammar.py --engine)
-#     profile  tools/profile_step.py at 1 and 64 sequences ($PROFILE_BATCHES), and a prompt chunk of $PROFILE_CHUNK (512)
+#     profile  tools/profile_step.py at 1 and 64 sequences ($PROFILE_BATCHES), and a step reading $PROFILE_PROMPTS (1) prompts
+#              that share a chunk of $PROFILE_CHUNK (512) tokens
 #     attention the paged attention kernel's decode at 1, 4, 16, 64 sequences over 512 to 131,072 keys
 #              (tools/bench_attention.py; $ATTENTION_BATCH, $ATTENTION_LENGTHS and $ATTENTION_ARGS, e.g. --sweep, change it)
 #     chunks   qat4 bench serve at 16 and 64 clients with each of $CHUNKS (default 4096 1024 512) as the server's
@@ -145,7 +146,7 @@ fi
 if want profile; then
     for batch in ${PROFILE_BATCHES:-1 64}; do
         # the whole table in the log (a `head` on tee's pipe would stop the tool before its prompt chunk)
-        timeout 200 python3 tools/profile_step.py --depth 512 --batch $batch --chunk ${PROFILE_CHUNK:-512} \
+        timeout 200 python3 tools/profile_step.py --depth 512 --batch $batch --chunk ${PROFILE_CHUNK:-512} --prompts ${PROFILE_PROMPTS:-1} \
             >"$LOGS/profile_step_$batch.log" 2>&1
         grep -v Warning "$LOGS/profile_step_$batch.log" | grep -v "^  (" | head -60
     done

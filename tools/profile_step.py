@@ -1,17 +1,20 @@
 """Where the time of one decode step and one prompt chunk goes, kernel class by kernel class.
 
-    python tools/profile_step.py [--depth 512] [--batch 1] [--chunk 256] [--top 25]
+    python tools/profile_step.py [--depth 512] [--batch 1] [--chunk 256] [--prompts 1] [--top 25]
 
 Builds the E2B-shaped synthetic engine on the GPU with --batch sequences holding --depth tokens
 each, runs their greedy decode step eagerly under torch.profiler (CUDA activity only) and prints,
-per kernel name: launches per step, total µs and µs per launch; then the same for one prompt
-chunk. It also times the step as the engine runs it (CUDA-graph replays through the step loop),
-so the gap between that and the kernels' sum is the launch overhead.
+per kernel name: launches per step, total µs and µs per launch; then the same for one step that
+reads --prompts prompts sharing a chunk of --chunk tokens (8 x 512 is a served wave's step at 64
+clients). It also times both steps as the engine runs them (CUDA-graph replays through the step
+loop), so the gap between that and the kernels' sum is the launch overhead.
 """
 
 import argparse
 import os
+import statistics
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -45,11 +48,12 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=512)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--prompts", type=int, default=1, help="sequences that share the prompt chunk, read in one step")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
     packed = load_packed_for_bench("synthetic:e2b", torch.device("cuda"), seed=0)
     engine = Engine.from_packed(packed, "cuda", max_ctx=max(8192, 2 * args.depth), prefill_chunk=args.chunk,
-                                max_num_seqs=max(args.batch, 1))
+                                max_num_seqs=max(args.batch, args.prompts, 1))
     g = torch.Generator().manual_seed(0)
     seqs = [engine.add_request(torch.randint(3, engine.config.vocab_size, (args.depth + 1,), generator=g).tolist(),
                                engine.max_ctx - args.depth - 2, temperature=0, stop_token_ids=[])
@@ -85,16 +89,38 @@ def main() -> None:
         engine.abort(s)
     engine.drain()
 
-    chunk = torch.randint(3, engine.config.vocab_size, (args.chunk,), generator=g).tolist()
-    engine.logits(chunk)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.logits(chunk)
-        torch.cuda.synchronize()
-    table, kernel_us, launches = kernel_table(prof, 1, args.top)
-    print(f"\nprompt chunk of {args.chunk} tokens (and its logits): {launches} kernels, {kernel_us:.0f} µs of kernel time")
-    print(table)
+    lengths = [args.chunk // args.prompts + (i < args.chunk % args.prompts) for i in range(args.prompts)]
 
+    def read_prompts() -> float:
+        """Launch one step that reads a prompt of each length (and picks each one's first token);
+        seconds from the launch to its end on the GPU."""
+        for n in lengths:
+            engine.add_request(torch.randint(3, engine.config.vocab_size, (n,), generator=g).tolist(), 1,
+                               temperature=0, stop_token_ids=[])
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        took = time.perf_counter() - start
+        engine.drain()
+        return took
+
+    for use_graph in (False, True):
+        runner.use_graph = use_graph
+        read_prompts()
+    runner.use_graph = False
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        read_prompts()
+    table, kernel_us, launches = kernel_table(prof, 1, args.top)
+    timed = {use_graph: [] for use_graph in (False, True)}
+    for _ in range(5):
+        for use_graph in timed:
+            runner.use_graph = use_graph
+            timed[use_graph].append(read_prompts() * 1e3)
+    eager, graphs = (statistics.median(timed[use_graph]) for use_graph in (False, True))
+    print(f"\nprompt step of {args.prompts} x {lengths[0]} tokens: {launches} kernels, {kernel_us:.0f} µs of kernel time; "
+          f"launch to end {eager:.2f} ms eager, {graphs:.2f} ms in the engine's loop (median of 5)")
+    print(table)
 
 if __name__ == "__main__":
     main()
