@@ -146,7 +146,7 @@ fi
 if want profile; then
     for batch in ${PROFILE_BATCHES:-1 64}; do
         # the whole table in the log (a `head` on tee's pipe would stop the tool before its prompt chunk)
-        timeout 200 python3 tools/profile_step.py --depth 512 --batch $batch --chunk ${PROFILE_CHUNK:-512} --prompts ${PROFILE_PROMPTS:-1} \
+        timeout ${PROFILE_TIMEOUT:-400} python3 tools/profile_step.py --depth 512 --batch $batch --chunk ${PROFILE_CHUNK:-512} --prompts ${PROFILE_PROMPTS:-1} \
             >"$LOGS/profile_step_$batch.log" 2>&1
         grep -v Warning "$LOGS/profile_step_$batch.log" | grep -v "^  (" | head -60
     done

@@ -52,11 +52,14 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
     packed = load_packed_for_bench("synthetic:e2b", torch.device("cuda"), seed=0)
+    # the pool holds every sequence to its last token, so none waits or is preempted while the steps are timed
+    new_tokens = 3 + 5 + 1 + 100 + 32
     engine = Engine.from_packed(packed, "cuda", max_ctx=max(8192, 2 * args.depth), prefill_chunk=args.chunk,
-                                max_num_seqs=max(args.batch, args.prompts, 1))
+                                max_num_seqs=max(args.batch, args.prompts, 1),
+                                kv_tokens=max(args.chunk, args.batch * (args.depth + 1 + new_tokens)))
     g = torch.Generator().manual_seed(0)
     seqs = [engine.add_request(torch.randint(3, engine.config.vocab_size, (args.depth + 1,), generator=g).tolist(),
-                               engine.max_ctx - args.depth - 2, temperature=0, stop_token_ids=[])
+                               new_tokens, temperature=0, stop_token_ids=[])
             for _ in range(args.batch)]
     while any(not s.output for s in seqs):  # every prompt read: each step from now on is one decode row per sequence
         engine.step()
