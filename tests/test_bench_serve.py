@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 
@@ -16,9 +19,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from server_harness import LiveServer
 
-from qat4.bench_serve.driver import WARMUP_MAX_TOKENS, RequestResult
+from qat4.bench_serve.driver import WARMUP_MAX_TOKENS, RequestResult, arrival_gaps
 from qat4.bench_serve.levels import level_report
 from qat4.bench_serve.stats import percentile, summarize_ms
+from qat4.bench_serve.workload import default_rate_requests
 from qat4.cli import main
 from qat4.commands.bench import parse_compare
 from qat4.errors import Qat4Error
@@ -163,9 +167,10 @@ def bench(url: str, *args: str) -> int:
     return main(["bench", "serve", "--url", url, *args])
 
 
-REPORT_FIELDS = {"model", "url", "endpoint", "server", "input_len", "output_len", "requests_per_level", "temperature",
-                 "seed", "date", "qat4_version", "qat4_commit", "server_command", "levels", "compare"}
-LEVEL_FIELDS = {"concurrency", "requests", "completed", "failed", "first_error", "short_replies", "duration_s",
+REPORT_FIELDS = {"model", "url", "endpoint", "server", "input_len", "output_len", "requests_per_level", "burstiness",
+                 "max_concurrency", "temperature", "seed", "date", "qat4_version", "qat4_commit", "server_command",
+                 "levels", "compare"}
+LEVEL_FIELDS = {"concurrency", "request_rate", "peak_in_flight", "requests", "completed", "failed", "first_error", "short_replies", "duration_s",
                 "input_tokens", "output_tokens", "output_tok_s", "total_tok_s", "request_per_s", "ttft_ms", "tpot_ms",
                 "itl_ms", "e2e_latency_ms"}
 
@@ -183,6 +188,8 @@ def test_levels_against_a_fake_server(fake, tmp_path, capsys):
     assert report["model"] == "fake-model" and report["server"] == "external" and report["compare"] == {
         "other": [[1, 100.0], [3, 250.0]]}
     assert [level["concurrency"] for level in report["levels"]] == [1, 3]
+    assert report["burstiness"] is None and report["max_concurrency"] is None
+    assert [(level["request_rate"], level["peak_in_flight"]) for level in report["levels"]] == [(None, 1), (None, 3)]
     for level in report["levels"]:
         assert set(level) == LEVEL_FIELDS
         assert (level["requests"], level["completed"], level["failed"], level["short_replies"]) == (6, 6, 0, 0)
@@ -239,6 +246,88 @@ def test_server_errors_are_counted_as_failed_requests(fake, first_error, tmp_pat
     assert f"concurrency 2: 4 of 4 requests failed; the first: {first_error}" in captured.out
 
 
+def test_arrival_gaps_keep_the_rate_and_spread_by_burstiness():
+    for burstiness, spread in ((1.0, 1.0), (4.0, 0.5), (0.25, 2.0)):  # a gamma's coefficient of variation: 1 / sqrt(shape)
+        gaps = arrival_gaps(20_001, 50.0, burstiness, random.Random(7))
+        assert len(gaps) == 20_000 and min(gaps) >= 0
+        assert statistics.fmean(gaps) == pytest.approx(1 / 50, rel=0.05)
+        assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(spread, rel=0.08)
+    assert arrival_gaps(5, 3.0, 1.0, random.Random(1)) == arrival_gaps(5, 3.0, 1.0, random.Random(1))
+    assert arrival_gaps(4, math.inf, 1.0, random.Random(1)) == [0.0, 0.0, 0.0] and arrival_gaps(1, 2.0, 1.0, random.Random(1)) == []
+
+
+def test_default_requests_at_a_rate_are_eight_seconds_of_arrivals_within_bounds():
+    assert [default_rate_requests(rate, None) for rate in (0.5, 10.0, 1e4, 1e308)] == [16, 80, 1000, 1000]
+    assert (default_rate_requests(math.inf, None), default_rate_requests(math.inf, 2), default_rate_requests(math.inf, 32)) == (64, 16, 128)
+
+
+@pytest.mark.parametrize("fake", [{"delay_s": 0.1}], indirect=True)
+def test_request_rates_send_on_time_whatever_the_replies(fake, tmp_path, capsys):
+    """An open loop: at 100 requests a second five requests of 0.3 s are all in flight at once, where
+    one client would have taken 1.5 s; all at once with --max-concurrency 2, two at a time."""
+    out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
+    code = bench(fake.url, "--request-rate", "100,inf", "--max-concurrency", "5", "--requests-per-level", "5",
+                 "--input-len", "4", "--output-len", "3", "--burstiness", "2", "--json", str(out), "--plot", str(plot))
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(out.read_text())
+    assert set(report) == REPORT_FIELDS and (report["burstiness"], report["max_concurrency"]) == (2.0, 5)
+    assert [level["request_rate"] for level in report["levels"]] == [100.0, "inf"]
+    for level in report["levels"]:
+        assert set(level) == LEVEL_FIELDS
+        assert (level["concurrency"], level["peak_in_flight"]) == (None, 5)
+        assert (level["requests"], level["completed"], level["output_tokens"]) == (5, 5, 15)
+        assert level["ttft_ms"]["p50"] >= 80
+    assert fake.peak_in_flight == 5
+    assert "request rate" in captured.out and "100/s" in captured.out and "inf" in captured.out
+    assert "arrivals of burstiness 2, at most 5 in flight" in captured.out
+    assert plot.stat().st_size > 1000
+
+    fake.peak_in_flight = 0  # --max-concurrency alone: all at once, two in flight
+    assert bench(fake.url, "--max-concurrency", "2", "--requests-per-level", "4", "--input-len", "2",
+                 "--output-len", "2", "--json", str(out)) == 0
+    report = json.loads(out.read_text())
+    level = report["levels"][0]
+    assert (report["max_concurrency"], level["request_rate"], level["peak_in_flight"], level["completed"]) == (2, "inf", 2, 4)
+    assert fake.peak_in_flight == 2
+    assert level["duration_s"] >= 2 * 2 * 0.1 * 0.9  # two rounds of two replies of 0.2 s
+
+
+@pytest.mark.parametrize("fake", [{"delay_s": 0.001}], indirect=True)
+def test_a_rate_spaces_its_requests_out_even_when_replies_are_quick(fake, tmp_path):
+    """Nearly even gaps at 20 a second: five requests take at least the four gaps of 50 ms between
+    them, although each reply takes a few ms (sent all at once, they would take a few ms in all)."""
+    out = tmp_path / "serve.json"
+    assert bench(fake.url, "--request-rate", "20", "--burstiness", "1000", "--requests-per-level", "5",
+                 "--input-len", "2", "--output-len", "2", "--json", str(out)) == 0
+    level = json.loads(out.read_text())["levels"][0]
+    assert level["completed"] == 5 and level["duration_s"] >= 0.9 * 4 / 20
+
+
+@pytest.mark.parametrize("args, max_queue", [
+    (["--request-rate", "10,inf"], 80), (["--request-rate", "inf", "--max-concurrency", "8"], 8),
+    (["--request-rate", "2", "--requests-per-level", "5"], 5), (["--concurrency", "1,4"], 4), ([], 64),
+])
+def test_the_started_server_queues_every_request_that_can_be_in_flight(args, max_queue, monkeypatch):
+    """bench serve starts qat4 serve with a waiting queue as long as the most requests a level can
+    have in flight, so that none is refused for room (429)."""
+    import contextlib
+
+    import qat4.serve_process
+
+    asked = {}
+
+    @contextlib.contextmanager
+    def serving(*_args, max_queue, **_kwargs):
+        asked["max_queue"] = max_queue
+        raise Qat4Error("stopped before starting")
+        yield
+
+    monkeypatch.setattr(qat4.serve_process, "serving", serving)
+    assert main(["bench", "serve", "--model", "m", *args]) == 1
+    assert asked == {"max_queue": max_queue}
+
+
 def test_an_unreachable_url_is_one_line(capsys):
     url = f"http://127.0.0.1:{free_port()}"
     assert bench(url, "--concurrency", "1") == 1
@@ -254,6 +343,18 @@ def test_an_unreachable_url_is_one_line(capsys):
     (["--model", "m", "--concurrency", "4", "--requests-per-level", "2"],
      "--requests-per-level 2 is fewer than the largest --concurrency 4; every client needs at least one request"),
     (["--model", "m", "--compare", "llama.cpp=1"], "--compare takes NAME=CONCURRENCY:TOK_S"),
+    (["--model", "m", "--request-rate", "0"], "--request-rate must list request rates above 0 a second (or inf), got '0'"),
+    (["--model", "m", "--request-rate", "2,x"], "--request-rate must list request rates above 0 a second (or inf), got '2,x'"),
+    (["--model", "m", "--request-rate", "nan"], "--request-rate must list request rates above 0"),
+    (["--model", "m", "--request-rate", "2", "--concurrency", "4"],
+     "--concurrency cannot go with --request-rate or --max-concurrency, which run levels of request rates"),
+    (["--model", "m", "--max-concurrency", "2", "--compare", "x=1:2", "--multi-turn", "2"],
+     "--multi-turn and --compare cannot go with --request-rate or --max-concurrency"),
+    (["--model", "m", "--burstiness", "2"], "--burstiness goes with --request-rate"),
+    (["--model", "m", "--request-rate", "2", "--burstiness", "0"], "--burstiness must be a number above 0, got 0"),
+    (["--model", "m", "--request-rate", "2", "--burstiness", "inf"], "--burstiness must be a number above 0, got inf"),
+    (["--model", "m", "--request-rate", "2", "--max-concurrency", "0"], "--max-concurrency must be at least 1, got 0"),
+    (["--model", "m", "--request-rate", "2", "--requests-per-level", "0"], "--requests-per-level must be at least 1, got 0"),
     (["--model", "m", "--server-args=--port 9000"], "--server-args must not set --host or --port"),
     (["--url", "http://127.0.0.1:9", "--server-args=--max-ctx 64"], "leave them out with --url"),
     ([], "qat4 bench serve needs --url of a running server, or --model to start one"),

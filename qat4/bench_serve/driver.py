@@ -1,10 +1,13 @@
 """The requests of `qat4 bench serve` on the wire: one streamed request timed chunk by chunk (each
 on a connection of its own, read by :func:`qat4.api_client.post_streamed`), a level's requests
-through exactly `concurrency` clients, and the uncounted warm-up."""
+through exactly `concurrency` clients (a closed loop) or sent at a request rate (an open loop), and
+the uncounted warm-up."""
 
 from __future__ import annotations
 
 import asyncio
+import math
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -107,6 +110,54 @@ async def run_level(workload: Workload, prompts: Sequence[Prompt], concurrency: 
     start = time.perf_counter()
     await asyncio.gather(*(one_client() for _ in range(concurrency)))
     return results, time.perf_counter() - start
+
+
+def arrival_gaps(count: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
+    """Seconds from each request's send to the next one's, for `count` requests at `rate` a second on
+    average: gamma-distributed with shape `burstiness` (1: a Poisson process's exponential gaps;
+    below 1 burstier, above 1 more even), all 0 at an infinite rate (every request at once)."""
+    if math.isinf(rate):
+        return [0.0] * max(0, count - 1)
+    return [rng.gammavariate(burstiness, 1.0) / (rate * burstiness) for _ in range(count - 1)]
+
+
+async def run_rate_level(workload: Workload, prompts: Sequence[Prompt], gaps: Sequence[float],
+                         max_concurrency: int | None, on_result: Callable[[RequestResult], None] | None = None,
+                         ) -> tuple[list[RequestResult], float, int]:
+    """Send `prompts` at the times `gaps` apart (:func:`arrival_gaps`) whether or not earlier replies
+    have come, at most `max_concurrency` in flight (None: no limit; a request over it waits for a
+    place, and its times start when it is sent). The results in prompt order, the wall time, and the
+    most requests that were in flight at once."""
+    results: list[RequestResult | None] = [None] * len(prompts)
+    places = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    in_flight = peak = 0
+
+    async def one(i: int, prompt: Prompt) -> None:
+        nonlocal in_flight, peak
+        if places is not None:
+            await places.acquire()
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            results[i] = await send_request(workload, prompt, workload.output_len)
+        finally:
+            in_flight -= 1
+            if places is not None:
+                places.release()
+        if on_result is not None:
+            on_result(results[i])
+
+    start = time.perf_counter()
+    due, sent = 0.0, []
+    for i, prompt in enumerate(prompts):
+        if i:
+            due += gaps[i - 1]
+            wait = start + due - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+        sent.append(asyncio.create_task(one(i, prompt)))
+    await asyncio.gather(*sent)
+    return results, time.perf_counter() - start, peak
 
 
 async def warm_up(workload: Workload, prompt: Prompt) -> RequestResult:

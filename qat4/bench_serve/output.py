@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from qat4.bench_serve.levels import LevelReport, ServeBenchReport
+from qat4.bench_serve.levels import LevelReport, ServeBenchReport, format_rate, level_name
 from qat4.bench_serve.multi_turn import TurnReport, hit_rate
 from qat4.bench_serve.workload import ENDPOINTS
 
@@ -21,10 +21,14 @@ def _stat_columns(name: str, stats: Sequence[str]) -> list[tuple[str, Callable[[
     return [(stat, lambda lv, stat=stat: _figure(getattr(lv, name)[stat], ",.1f")) for stat in stats]
 
 
-# The table's column groups: (group title, [(column title, cell of a level), ...]).
-TABLE = [
-    ("", [("concurrency", lambda lv: str(lv.concurrency)), ("requests", lambda lv: str(lv.requests)),
-          ("failed", lambda lv: str(lv.failed))]),
+# The table's column groups: (group title, [(column title, cell of a level), ...]); the first names
+# the levels, by clients or by request rates.
+CLIENT_LEVELS = ("", [("concurrency", lambda lv: str(lv.concurrency)), ("requests", lambda lv: str(lv.requests)),
+                      ("failed", lambda lv: str(lv.failed))])
+RATE_LEVELS = ("", [("request rate", lambda lv: format_rate(lv.request_rate)),
+                    ("peak in flight", lambda lv: str(lv.peak_in_flight)), ("requests", lambda lv: str(lv.requests)),
+                    ("failed", lambda lv: str(lv.failed))])
+FIGURES = [
     ("throughput", [("output tok/s", lambda lv: f"{lv.output_tok_s:,.1f}"),
                     ("total tok/s", lambda lv: f"{lv.total_tok_s:,.1f}"),
                     ("req/s", lambda lv: f"{lv.request_per_s:.2f}")]),
@@ -38,15 +42,20 @@ TABLE = [
 def format_table(report: ServeBenchReport) -> str:
     """A heading, the levels as a table (right-aligned columns under centred group titles), and a
     line for each level that had failures."""
-    cells = [[[cell(lv) for _, cell in columns] for _, columns in TABLE] for lv in report.levels]
+    rates = report.burstiness is not None
+    table = [RATE_LEVELS if rates else CLIENT_LEVELS, *FIGURES]
+    cells = [[[cell(lv) for _, cell in columns] for _, columns in table] for lv in report.levels]
     widths = [[max(len(title), *(len(row[g][c]) for row in cells)) + 1 for c, (title, _) in enumerate(columns)]
-              for g, (_, columns) in enumerate(TABLE)]
-    groups = "  ".join(title.center(sum(w)) for (title, _), w in zip(TABLE, widths))
-    titles = "  ".join("".join(t.rjust(w) for (t, _), w in zip(columns, ws)) for (_, columns), ws in zip(TABLE, widths))
+              for g, (_, columns) in enumerate(table)]
+    groups = "  ".join(title.center(sum(w)) for (title, _), w in zip(table, widths))
+    titles = "  ".join("".join(t.rjust(w) for (t, _), w in zip(columns, ws)) for (_, columns), ws in zip(table, widths))
     rows = ["  ".join("".join(c.rjust(w) for c, w in zip(group, ws)) for group, ws in zip(row, widths)) for row in cells]
     head = (f"{report.model or 'server'} at {report.url}{ENDPOINTS[report.endpoint]}: {report.input_len} prompt and "
             f"{report.output_len} output tokens per request")
-    failures = [f"concurrency {lv.concurrency}: {lv.failed} of {lv.requests} requests failed; the first: {lv.first_error}"
+    if rates:
+        limit = "no limit" if report.max_concurrency is None else f"at most {report.max_concurrency}"
+        head += f"; arrivals of burstiness {report.burstiness:g}, {limit} in flight"
+    failures = [f"{level_name(lv.concurrency, lv.request_rate)}: {lv.failed} of {lv.requests} requests failed; the first: {lv.first_error}"
                 for lv in report.levels if lv.failed]
     return "\n".join([head, "", groups.rstrip(), titles, *rows, *([""] + failures if failures else [])])
 
@@ -73,7 +82,8 @@ def save_json(report: ServeBenchReport, path: str | Path) -> None:
 
 
 def write_plot(report: ServeBenchReport, path: str | Path) -> None:
-    """Output tok/s against concurrency (with the --compare points), and TTFT and TPOT p50 against concurrency."""
+    """Output tok/s against concurrency (with the --compare points), and TTFT and TPOT p50 against
+    concurrency; or, for levels of request rates, each against the rate (one tick per level)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -83,7 +93,8 @@ def write_plot(report: ServeBenchReport, path: str | Path) -> None:
     def values(figures: list[float | None]) -> list[float]:
         return [math.nan if v is None else v for v in figures]
 
-    xs = [lv.concurrency for lv in report.levels]
+    rates = report.burstiness is not None
+    xs = list(range(len(report.levels))) if rates else [lv.concurrency for lv in report.levels]
     fig, (tput, latency) = plt.subplots(1, 2, figsize=(11, 4))
     tput.plot(xs, [lv.output_tok_s for lv in report.levels], "o-", label=report.model or "server")
     for name, points in report.compare.items():
@@ -96,12 +107,17 @@ def write_plot(report: ServeBenchReport, path: str | Path) -> None:
     latency.set_ylabel("ms")
     latency.set_title(report.url)
     tput.set_ylim(bottom=0)
-    ticks = sorted({*xs, *(c for points in report.compare.values() for c, _ in points)})
+    if rates:
+        ticks, labels, axis = xs, [format_rate(lv.request_rate) for lv in report.levels], "requests a second"
+    else:
+        ticks = sorted({*xs, *(c for points in report.compare.values() for c, _ in points)})
+        labels, axis = [str(t) for t in ticks], "concurrent clients"
     for ax in (tput, latency):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ticks, [str(t) for t in ticks])
+        if not rates:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, labels)
         ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_xlabel("concurrent clients")
+        ax.set_xlabel(axis)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()

@@ -3,6 +3,7 @@ and the streamed body that asks for exactly `output_len` new tokens."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,20 @@ def default_requests(concurrency: int) -> int:
     """Requests per level unless given: four per client, so every client sends four in turn and the
     level runs at full concurrency for most of its time, and at least 16, so percentiles have samples."""
     return max(4 * concurrency, 16)
+
+
+DEFAULT_BURSTINESS = 1.0  # gamma-distributed gaps of shape 1: a Poisson process's arrivals
+MAX_DEFAULT_RATE_REQUESTS = 1000  # as vllm bench serve's default --num-prompts
+
+
+def default_rate_requests(rate: float, max_concurrency: int | None) -> int:
+    """Requests per request-rate level unless given: eight seconds of arrivals at a finite rate (at
+    least 16, at most MAX_DEFAULT_RATE_REQUESTS), so the level runs at that rate for most of its
+    time; all at once (an infinite rate), four per place when in-flight requests are limited (at
+    least 16), else 64."""
+    if math.isinf(rate):
+        return max(4 * max_concurrency, 16) if max_concurrency else 64
+    return max(16, math.ceil(8 * min(rate, MAX_DEFAULT_RATE_REQUESTS / 8)))
 
 
 @dataclass(frozen=True)

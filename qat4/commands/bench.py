@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -119,9 +120,11 @@ def run_speculative(args: argparse.Namespace) -> int:
 
 def _add_serve_parser(modes) -> None:
     p = modes.add_parser(
-        "serve", help="throughput and latency of an OpenAI-compatible server at several concurrency levels",
+        "serve",
+        help="throughput and latency of an OpenAI-compatible server at several concurrency levels or request rates",
         description="Load an OpenAI-compatible server with streamed requests of exactly --input-len prompt and "
-        "--output-len output tokens, sent by exactly N concurrent clients for each N of --concurrency, after one "
+        "--output-len output tokens, sent by exactly N concurrent clients for each N of --concurrency (or, with "
+        "--request-rate, at R requests a second for each R, whether or not replies have come), after one "
         "uncounted warm-up request. Prints output and total tok/s, req/s, time to first token, time per output "
         "token, inter-token and end-to-end latency per level. Without --url it starts `qat4 serve --model ...` "
         "on a free loopback port and stops it afterwards; with --url it measures any running server "
@@ -132,12 +135,24 @@ def _add_serve_parser(modes) -> None:
     p.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8080 or .../v1 (default: start qat4 serve)")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                    help="completions: prompts of random token ids, exact length (default); chat: random words")
-    p.add_argument("--concurrency", default=DEFAULT_CONCURRENCY,
-                   help="comma-separated numbers of concurrent clients, one level each (default: %(default)s)")
+    p.add_argument("--concurrency",
+                   help=f"comma-separated numbers of concurrent clients, one level each (default: {DEFAULT_CONCURRENCY})")
+    p.add_argument("--request-rate", metavar="RATES",
+                   help="instead of --concurrency: comma-separated request rates (requests a second, or inf: all at "
+                        "once), one level each; a level sends its requests at that rate on average whether or not "
+                        "replies have come (an open loop, as `vllm bench serve --request-rate` does)")
+    p.add_argument("--burstiness", type=float, metavar="B",
+                   help="with --request-rate: the gamma shape of the gaps between requests (default: 1, a Poisson "
+                        "process; below 1 burstier, above 1 more even)")
+    p.add_argument("--max-concurrency", type=int, metavar="N",
+                   help="with --request-rate: at most N requests in flight; one over it waits for a place, its times "
+                        "counted from when it is sent (default: no limit); without --request-rate: --request-rate inf "
+                        "(N clients' worth of requests, all queued at once, as vllm bench serve --max-concurrency)")
     p.add_argument("--input-len", type=int, default=512, metavar="N", help="prompt tokens per request (default: %(default)s)")
     p.add_argument("--output-len", type=int, default=128, metavar="N", help="output tokens per request (default: %(default)s)")
     p.add_argument("--requests-per-level", "--num-prompts", type=int, dest="requests_per_level", metavar="N",
-                   help="requests at every level (default: 4 per client and at least 16)")
+                   help="requests at every level (default: 4 per client and at least 16; at a request rate, 8 "
+                        "seconds of them and at least 16, or all at once 4 per --max-concurrency place, else 64)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature (default: 0, greedy)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("QAT4_API_KEY"), metavar="KEY",
@@ -146,7 +161,8 @@ def _add_serve_parser(modes) -> None:
     p.add_argument("--server-args", default="", metavar="ARGS",
                    help='more flags for the qat4 serve started, as one string: --server-args="--max-ctx 4096"')
     p.add_argument("--json", metavar="FILE", help="write every figure and the parameters as JSON")
-    p.add_argument("--plot", metavar="FILE.png", help="plot output tok/s, TTFT and TPOT against concurrency")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="plot output tok/s, TTFT and TPOT against concurrency (or the request rate)")
     p.add_argument("--multi-turn", type=int, metavar="T",
                    help="instead of the levels: --sessions chat conversations of T turns at once (the first message "
                         "--input-len words, each later one --turn-len), then the same requests read cold; TTFT per "
@@ -172,6 +188,17 @@ def _int_list(text: str, flag: str, minimum: int, what: str) -> list[int]:
     if not values or min(values) < minimum:
         raise Qat4Error(f"{flag} must list {what}, got {text!r}")
     return values
+
+
+def parse_rates(text: str) -> list[float]:
+    """--request-rate: comma-separated rates above 0, or inf, as floats (math.inf)."""
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(not rate > 0 for rate in rates):  # not > 0: also NaN
+        raise Qat4Error(f"--request-rate must list request rates above 0 a second (or inf), got {text!r}")
+    return rates
 
 
 def parse_compare(specs: Sequence[str]) -> dict[str, list[tuple[int, float]]]:
@@ -266,39 +293,71 @@ def _log(line: str) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from qat4.bench_serve.workload import default_rate_requests
     from qat4.serve_process import serving
 
-    concurrencies = _int_list(args.concurrency, "--concurrency", 1, "numbers of clients of at least 1")
+    rates = _rate_levels(args)
+    concurrencies = [] if rates else _int_list(args.concurrency or DEFAULT_CONCURRENCY, "--concurrency", 1,
+                                               "numbers of clients of at least 1")
     if args.multi_turn is not None and min(args.multi_turn, args.sessions, args.rounds, args.turn_len) < 1:
         raise Qat4Error("--multi-turn, --sessions, --rounds and --turn-len must be at least 1")
     if args.multi_turn is not None:
         concurrencies = [args.sessions]
     if args.input_len < 1 or args.output_len < 1:
         raise Qat4Error("--input-len and --output-len must be at least 1")
-    if args.requests_per_level is not None and args.requests_per_level < max(concurrencies):
+    if rates and args.requests_per_level is not None and args.requests_per_level < 1:
+        raise Qat4Error(f"--requests-per-level must be at least 1, got {args.requests_per_level}")
+    if concurrencies and args.requests_per_level is not None and args.requests_per_level < max(concurrencies):
         raise Qat4Error(f"--requests-per-level {args.requests_per_level} is fewer than the largest --concurrency "
                         f"{max(concurrencies)}; every client needs at least one request")
     compare = parse_compare(args.compare or [])
+    # the server started queues every request that can be in flight at once, so none is refused for room
+    if rates:
+        in_flight = args.max_concurrency or max(args.requests_per_level or default_rate_requests(rate, None)
+                                                for rate in rates)
+    else:
+        in_flight = max(concurrencies)
     with serving("qat4 bench serve", args.url, args.model, api_key=args.api_key, device=args.device,
-                 server_args=args.server_args, max_queue=max(concurrencies), log=_log) as served:
+                 server_args=args.server_args, max_queue=in_flight, log=_log) as served:
         server = "qat4 serve, started by the benchmark" if served.command else "external"
-        return _measure(args, served.url, served.model, server, list(served.command), concurrencies, compare)
+        return _measure(args, served.url, served.model, server, list(served.command), concurrencies, compare, rates)
+
+
+def _rate_levels(args: argparse.Namespace) -> list[float]:
+    """The request rates of an open-loop run (none for levels of clients), after checking the flags
+    that go with them. --max-concurrency alone means --request-rate inf, as in vllm bench serve."""
+    if args.request_rate is None and args.max_concurrency is None:
+        if args.burstiness is not None:
+            raise Qat4Error("--burstiness goes with --request-rate")
+        return []
+    clashing = [flag for flag, value in (("--concurrency", args.concurrency), ("--multi-turn", args.multi_turn),
+                                         ("--compare", args.compare)) if value is not None]
+    if clashing:
+        raise Qat4Error(f"{' and '.join(clashing)} cannot go with --request-rate or --max-concurrency, which run "
+                        f"levels of request rates (--compare's points are by concurrency)")
+    if args.burstiness is not None and not (args.burstiness > 0 and math.isfinite(args.burstiness)):
+        raise Qat4Error(f"--burstiness must be a number above 0, got {args.burstiness:g}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise Qat4Error(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
+    return parse_rates(args.request_rate or "inf")
 
 
 def _measure(args: argparse.Namespace, url: str, model: str | None, server: str, server_command: list[str],
-             concurrencies: list[int], compare: dict) -> int:
-    """Run the levels against `url`, print the table, write --json and --plot."""
+             concurrencies: list[int], compare: dict, rates: list[float]) -> int:
+    """Run the levels (of ``rates`` when there are any) against `url`, print the table, write --json and --plot."""
     from qat4.bench_serve import levels, output
-    from qat4.bench_serve.workload import Workload
+    from qat4.bench_serve.workload import DEFAULT_BURSTINESS, Workload
 
     if args.multi_turn is not None:
         return _measure_turns(args, url, model, server)
     workload = Workload(url, args.endpoint, model, args.input_len, args.output_len,
                         temperature=args.temperature, api_key=args.api_key)
     report = levels.new_report(workload, server=server, requests_per_level=args.requests_per_level,
-                               seed=args.seed, server_command=server_command, compare=compare)
-    show = _progress(lambda concurrency: f"concurrency {concurrency}")
-    levels.run(workload, concurrencies, report, on_result=show, warn=lambda text: _log(f"warning: {text}"))
+                               seed=args.seed, server_command=server_command, compare=compare,
+                               burstiness=(args.burstiness or DEFAULT_BURSTINESS) if rates else None,
+                               max_concurrency=args.max_concurrency)
+    levels.run(workload, report, concurrencies=concurrencies, rates=rates, on_result=_progress(str),
+               warn=lambda text: _log(f"warning: {text}"))
     print(output.format_table(report))
     if args.json:
         output.save_json(report, args.json)
@@ -311,7 +370,7 @@ def _measure(args: argparse.Namespace, url: str, model: str | None, server: str,
 
 
 def _progress(describe: Callable[[Any], str]) -> Callable[[Any, int, int, Any], None]:
-    """A bench serve callback (key, done, total, result): one status line per key (a concurrency,
+    """A bench serve callback (key, done, total, result): one status line per key (a level's name,
     a phase) with its requests done and failed."""
     from qat4.commands.progress import ProgressLine
 
