@@ -4,7 +4,7 @@
 # ./out). Compiled kernels stay in $TRITON_CACHE_DIR (default /tmp/qat4_triton_cache); the cache
 # also leaves as $OUT/triton_cache.tar.xz.NN (15 MiB parts), and parts found in .triton_cache/ are
 # unpacked into it first, so a fresh machine starts with the kernels an earlier one compiled.
-#   usage: tools/gpu_check.sh STEP...   steps: setup kernels sweep tests bench cap tune serve load overhead turns eval spec specstep mtp grammar profile attention chunks ab all
+#   usage: tools/gpu_check.sh STEP...   steps: setup kernels sweep tests bench cap tune serve rates load overhead turns eval spec specstep mtp grammar profile attention chunks ab all
 #     setup    only what every call does first: the wheels and the compiled kernels, for commands of one's own after it
 #     kernels  the int4 kernels at E2B decode shapes: GEMV, decode-batch kernel and GEMM at 2, 16, 64 rows;
 #              the batch kernel again with one dot a step (ONE_DOT) at 16 and 64
@@ -14,6 +14,8 @@
 #     cap      qat4 bench under --memory-cap-mib 3732 with 131,072 tokens held
 #     tune     qat4 bench --tune (saves decode tilings to $LOGS/decode_tilings.json, used by later steps)
 #     serve    qat4 bench serve at 1, 4, 16, 64 clients (512-token prompts, 128 new tokens); $SERVE_ARGS go to qat4 serve
+#     rates    qat4 bench serve in an open loop: Poisson arrivals at each of $RATES (default 20 40 80 inf) requests a
+#              second, at most 64 in flight, the same requests
 #     load     the same closed-loop load on the engine alone, at 16 and 64 clients (tools/engine_load.py)
 #     overhead the server app over a paced engine at the engine's step times, on this host's CPUs (tools/serve_overhead.py)
 #     turns    qat4 bench serve --multi-turn: 1, then 8 conversations of 10 turns over an 8,000-word history,
@@ -101,6 +103,11 @@ if want serve; then
     timeout 500 python3 -m qat4.cli bench serve "${E2B[@]}" --concurrency 1,4,16,64 --input-len 512 --output-len 128 \
         ${SERVE_ARGS:+--server-args="$SERVE_ARGS"} --json "$LOGS/bench_serve.json" --plot "$LOGS/bench_serve.png" \
         --compare llama.cpp=1:357,4:1177,16:2424,64:5222 2>&1 | tee "$LOGS/bench_serve.log" | tail -14
+fi
+if want rates; then
+    timeout ${RATES_TIMEOUT:-500} python3 -m qat4.cli bench serve "${E2B[@]}" --request-rate "$(echo ${RATES:-20 40 80 inf} | tr ' ' ,)" \
+        --max-concurrency 64 --input-len 512 --output-len 128 ${SERVE_ARGS:+--server-args="$SERVE_ARGS"} \
+        --json "$LOGS/bench_rates.json" --plot "$LOGS/bench_rates.png" 2>&1 | tee "$LOGS/bench_rates.log" | tail -12
 fi
 if want load; then
     timeout ${LOAD_TIMEOUT:-300} python3 tools/engine_load.py --concurrency 16,64 2>&1 | tee "$LOGS/engine_load.log" | tail -4
