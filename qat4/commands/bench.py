@@ -146,8 +146,8 @@ def _add_serve_parser(modes) -> None:
                         "process; below 1 burstier, above 1 more even)")
     p.add_argument("--max-concurrency", type=int, metavar="N",
                    help="with --request-rate: at most N requests in flight; one over it waits for a place, its times "
-                        "counted from when it is sent (default: no limit); without --request-rate: --request-rate inf "
-                        "(N clients' worth of requests, all queued at once, as vllm bench serve --max-concurrency)")
+                        "counted from when it is sent (default: no limit); given alone, it means --request-rate inf: "
+                        "a level's requests all sent at once, N in flight (vllm bench serve's --max-concurrency)")
     p.add_argument("--input-len", type=int, default=512, metavar="N", help="prompt tokens per request (default: %(default)s)")
     p.add_argument("--output-len", type=int, default=128, metavar="N", help="output tokens per request (default: %(default)s)")
     p.add_argument("--requests-per-level", "--num-prompts", type=int, dest="requests_per_level", metavar="N",
