@@ -17,7 +17,7 @@ from typing import Any
 from qat4 import __version__
 from qat4.bench_serve.driver import RequestResult, arrival_gaps, run_level, run_rate_level, warm_up
 from qat4.bench_serve.stats import summarize_ms
-from qat4.bench_serve.workload import Workload, default_rate_requests, default_requests
+from qat4.bench_serve.workload import Workload, level_requests
 
 
 @dataclass
@@ -80,7 +80,7 @@ class ServeBenchReport:
     server: str  # "qat4 serve, started by the benchmark" or "external"
     input_len: int
     output_len: int
-    requests_per_level: int | None  # None: default_requests(concurrency) or default_rate_requests(rate, limit)
+    requests_per_level: int | None  # None: each level's default, workload.level_requests
     burstiness: float | None  # the gamma shape of the gaps between a rate level's requests; None: levels of clients
     max_concurrency: int | None  # the most requests a rate level keeps in flight; None: no limit, or levels of clients
     temperature: float
@@ -91,6 +91,11 @@ class ServeBenchReport:
     server_command: list[str] = field(default_factory=list)  # the qat4 serve command line, when the benchmark started it
     levels: list[LevelReport] = field(default_factory=list)
     compare: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # reference output tok/s by concurrency
+
+    @property
+    def by_rate(self) -> bool:
+        """Whether the levels are request rates (an open loop) rather than numbers of clients."""
+        return self.burstiness is not None
 
     def to_json(self) -> dict[str, Any]:
         """The report as JSON values: an infinite request rate is the string "inf"."""
@@ -151,10 +156,7 @@ def run(workload: Workload, report: ServeBenchReport, *, concurrencies: Sequence
             warn(f"the warm-up request failed ({warm.error}); carrying on")
         for concurrency, rate in [(c, None) for c in concurrencies] or [(report.max_concurrency, r) for r in rates]:
             name = level_name(concurrency, rate)
-            if rate is None:
-                count = report.requests_per_level or default_requests(concurrency)
-            else:
-                count = report.requests_per_level or default_rate_requests(rate, concurrency)
+            count = level_requests(report.requests_per_level, concurrency, rate)
             done = 0
 
             def counted(result: RequestResult) -> None:

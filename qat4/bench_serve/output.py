@@ -42,8 +42,7 @@ FIGURES = [
 def format_table(report: ServeBenchReport) -> str:
     """A heading, the levels as a table (right-aligned columns under centred group titles), and a
     line for each level that had failures."""
-    rates = report.burstiness is not None
-    table = [RATE_LEVELS if rates else CLIENT_LEVELS, *FIGURES]
+    table = [RATE_LEVELS if report.by_rate else CLIENT_LEVELS, *FIGURES]
     cells = [[[cell(lv) for _, cell in columns] for _, columns in table] for lv in report.levels]
     widths = [[max(len(title), *(len(row[g][c]) for row in cells)) + 1 for c, (title, _) in enumerate(columns)]
               for g, (_, columns) in enumerate(table)]
@@ -52,11 +51,11 @@ def format_table(report: ServeBenchReport) -> str:
     rows = ["  ".join("".join(c.rjust(w) for c, w in zip(group, ws)) for group, ws in zip(row, widths)) for row in cells]
     head = (f"{report.model or 'server'} at {report.url}{ENDPOINTS[report.endpoint]}: {report.input_len} prompt and "
             f"{report.output_len} output tokens per request")
-    if rates:
+    if report.by_rate:
         limit = "no limit" if report.max_concurrency is None else f"at most {report.max_concurrency}"
         head += f"; arrivals of burstiness {report.burstiness:g}, {limit} in flight"
-    failures = [f"{level_name(lv.concurrency, lv.request_rate)}: {lv.failed} of {lv.requests} requests failed; the first: {lv.first_error}"
-                for lv in report.levels if lv.failed]
+    failures = [f"{level_name(lv.concurrency, lv.request_rate)}: {lv.failed} of {lv.requests} requests failed; "
+                f"the first: {lv.first_error}" for lv in report.levels if lv.failed]
     return "\n".join([head, "", groups.rstrip(), titles, *rows, *([""] + failures if failures else [])])
 
 
@@ -93,7 +92,7 @@ def write_plot(report: ServeBenchReport, path: str | Path) -> None:
     def values(figures: list[float | None]) -> list[float]:
         return [math.nan if v is None else v for v in figures]
 
-    rates = report.burstiness is not None
+    rates = report.by_rate
     xs = list(range(len(report.levels))) if rates else [lv.concurrency for lv in report.levels]
     fig, (tput, latency) = plt.subplots(1, 2, figsize=(11, 4))
     tput.plot(xs, [lv.output_tok_s for lv in report.levels], "o-", label=report.model or "server")

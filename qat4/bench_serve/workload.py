@@ -42,6 +42,14 @@ def default_rate_requests(rate: float, max_concurrency: int | None) -> int:
     return max(16, math.ceil(8 * min(rate, MAX_DEFAULT_RATE_REQUESTS / 8)))
 
 
+def level_requests(requests_per_level: int | None, concurrency: int | None, rate: float | None) -> int:
+    """The requests a level sends: ``requests_per_level`` when given, else the default of a level of
+    ``concurrency`` clients (no ``rate``), or of a request rate at most ``concurrency`` in flight."""
+    if requests_per_level:
+        return requests_per_level
+    return default_requests(concurrency) if rate is None else default_rate_requests(rate, concurrency)
+
+
 @dataclass(frozen=True)
 class Workload:
     """Where the requests go and what each one asks for."""

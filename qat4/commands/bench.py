@@ -293,7 +293,7 @@ def _log(line: str) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from qat4.bench_serve.workload import default_rate_requests
+    from qat4.bench_serve.workload import level_requests
     from qat4.serve_process import serving
 
     rates = _rate_levels(args)
@@ -313,8 +313,7 @@ def run_serve(args: argparse.Namespace) -> int:
     compare = parse_compare(args.compare or [])
     # the server started queues every request that can be in flight at once, so none is refused for room
     if rates:
-        in_flight = args.max_concurrency or max(args.requests_per_level or default_rate_requests(rate, None)
-                                                for rate in rates)
+        in_flight = args.max_concurrency or max(level_requests(args.requests_per_level, None, rate) for rate in rates)
     else:
         in_flight = max(concurrencies)
     with serving("qat4 bench serve", args.url, args.model, api_key=args.api_key, device=args.device,
