@@ -30,12 +30,18 @@ def test_a_case_scatters_each_sequences_pages_and_its_copies_hold_other_keys():
 
 
 def test_the_sweep_scales_the_key_splits_by_the_batch():
-    one = bench_attention.decode_configs("full", 512, 1, True)
-    sixteen = bench_attention.decode_configs("full", 512, 16, True)
+    one = bench_attention.decode_configs("full", 512, 1, True, [])
+    sixteen = bench_attention.decode_configs("full", 512, 16, True, [])
     assert one[0] == (None, None) and [s for s, t in one if s] == [33, 66, 132, 256, 384, 512]
     assert [s for s, t in sixteen if s] == [2, 4, 8, 16, 24, 32]
     assert len([t for s, t in one if t]) == len(bench_attention.DECODE_TILES[512])
-    assert bench_attention.decode_configs("sliding", 256, 4, False) == [(None, None)]
+    assert bench_attention.decode_configs("sliding", 256, 4, False, []) == [(None, None)]
+
+
+def test_asked_splits_are_timed_beside_the_default_with_or_without_the_sweep():
+    assert bench_attention.decode_configs("sliding", 256, 64, False, [2, 1]) == [(None, None), (1, None), (2, None)]
+    swept = bench_attention.decode_configs("full", 512, 64, True, [2, 3])
+    assert [s for s, t in swept if s] == [1, 2, 3, 4, 6, 8]
 
 
 def test_kernel_tests_interpreted(request):

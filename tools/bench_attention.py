@@ -1,6 +1,6 @@
 """Time the paged attention kernel (qat4.ops.attention) at Gemma 4 E2B shapes.
 
-    python tools/bench_attention.py [--dtype bf16|fp16] [--only decode|prefill] [--sweep]
+    python tools/bench_attention.py [--dtype bf16|fp16] [--only decode|prefill] [--sweep] [--splits 1,2,4]
                                     [--batch 1,4,16] [--lengths 512,4096,32768,131072] [--max-ctx 131072]
 
 Decode: B sequences of one query token each, as the engine's decode graphs launch them: the
@@ -120,16 +120,19 @@ def bench_case(name: str, case: Case, window, visible: int, pairs: int, configs,
         print(line, flush=True)
 
 
-def decode_configs(kind: str, dim: int, batch: int, sweep: bool) -> list:
-    configs = [(None, None)]
+def decode_configs(kind: str, dim: int, batch: int, sweep: bool, splits: list[int]) -> list:
+    """(splits, tiles) to time: the kernel's own choice, each of `splits`, and with `sweep` the
+    kind's split counts scaled by the batch and the other decode tiles."""
+    counts = set(splits)
     if sweep:
-        splits = sorted({max(1, s // batch) for s in DECODE_SPLITS[kind]})
-        configs += [(s, None) for s in splits]
+        counts |= {max(1, s // batch) for s in DECODE_SPLITS[kind]}
+    configs = [(None, None)] + [(s, None) for s in sorted(counts)]
+    if sweep:
         configs += [(None, attn.AttentionTiles(*t)) for t in DECODE_TILES[dim]]
     return configs
 
 
-def bench_decode(batches, lengths, max_ctx, dtype, device, sweep) -> None:
+def bench_decode(batches, lengths, max_ctx, dtype, device, sweep, splits) -> None:
     """Decode steps of each batch size: a sliding layer (its queries see the last `window` keys
     of a longer history), then a full layer at each length."""
     dim, window = SLIDING
@@ -138,13 +141,13 @@ def bench_decode(batches, lengths, max_ctx, dtype, device, sweep) -> None:
     for b in batches:
         case = Case(b, history, 1, dim, dtype, device, max_keys=max_ctx, copies=copies_for(b, visible, dim, dtype))
         bench_case(f"decode sliding D={dim} B={b} len={history}", case, window, visible, 0,
-                            decode_configs("sliding", dim, b, sweep), device)
+                            decode_configs("sliding", dim, b, sweep, splits), device)
         del case
         for length in lengths:
             case = Case(b, length, 1, FULL_DIM, dtype, device, max_keys=max_ctx,
                         copies=copies_for(b, length, FULL_DIM, dtype))
             bench_case(f"decode full D={FULL_DIM} B={b} len={length}", case, None, length, 0,
-                                decode_configs("full", FULL_DIM, b, sweep), device)
+                                decode_configs("full", FULL_DIM, b, sweep, splits), device)
             del case
 
 
@@ -179,6 +182,7 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", default="512,4096,32768,131072", help="keys per sequence (default: %(default)s)")
     parser.add_argument("--max-ctx", type=int, default=131072, help="the context the splits are sized for")
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk tokens (default: %(default)s)")
+    parser.add_argument("--splits", default="", help="decode key splits to time beside the default, e.g. 1,2,4")
     args = parser.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     device = torch.device(args.device)
@@ -187,7 +191,7 @@ def main(argv=None) -> int:
     print(f"{name}  torch {torch.__version__}  triton {triton.__version__}  {args.dtype}")
     lengths = int_list(args.lengths)
     if args.only != "prefill":
-        bench_decode(int_list(args.batch), lengths, args.max_ctx, dtype, device, args.sweep)
+        bench_decode(int_list(args.batch), lengths, args.max_ctx, dtype, device, args.sweep, int_list(args.splits))
     if args.only != "decode":
         bench_prefill(lengths, args.chunk, args.max_ctx, dtype, device, args.sweep)
     return 0
