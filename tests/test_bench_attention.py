@@ -58,3 +58,13 @@ def test_kernel_decode_and_prefill_cases_match_the_reference(capsys):
                                                ["prefill", "D=512"]]
     assert all(float(line.rsplit("err ", 1)[1]) < 1e-4 for line in lines)
     assert "TFLOP/s" in lines[-1] and "TFLOP/s" not in lines[0]
+
+
+@kernel_test
+def test_kernel_prefill_of_several_prompts_in_one_call_matches_the_reference(capsys):
+    assert bench_attention.main(["--device", KERNEL_DEVICE, "--dtype", "fp32", "--only", "prefill", "--prompts", "3",
+                                 "--chunk", "17", "--lengths", "0,24", "--max-ctx", "64"]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert [line.split()[:5] for line in lines] == [["prefill", "D=256", "P=3", "T=17", "keys=17"],
+                                                    ["prefill", "D=512", "P=3", "T=17", "keys=24"]]
+    assert all(float(line.rsplit("err ", 1)[1]) < 1e-4 for line in lines)

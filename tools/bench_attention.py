@@ -1,11 +1,13 @@
 """Time the paged attention kernel (qat4.ops.attention) at Gemma 4 E2B shapes.
 
     python tools/bench_attention.py [--dtype bf16|fp16] [--only decode|prefill] [--sweep] [--splits 1,2,4]
+                                    [--prompts 1] [--chunk 256]
                                     [--batch 1,4,16] [--lengths 512,4096,32768,131072] [--max-ctx 131072]
 
 Decode: B sequences of one query token each, as the engine's decode graphs launch them: the
 sliding layers (head dim 256, window 512) and the full layers (head dim 512) at each length. Prefill:
-one 256-token chunk of one sequence over a prefix of each length. The key splits of both are sized
+one ``--chunk``-token chunk of each of ``--prompts`` sequences over a prefix of each length (8 x 512
+from position 0 is a served wave's prompt step at 64 clients). The key splits of both are sized
 for a context of ``--max-ctx`` tokens, as the engine's graphs size them. The K/V pages of every sequence are
 distinct memory, and a case smaller than four L2s cycles through that many copies of its pool, so
 every call reads its keys from HBM. Each case is checked against the torch reference and timed as
@@ -38,8 +40,8 @@ L2_BYTES = 50 << 20
 DECODE_SPLITS = {"sliding": (4, 8, 16), "full": (33, 66, 132, 256, 384, 512)}  # --sweep, one sequence (scaled by batch)
 DECODE_TILES = {256: [(16, 32, 4, 2), (16, 64, 4, 2), (16, 128, 4, 2), (16, 64, 4, 3)],
                 512: [(16, 16, 4, 2), (16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 3)]}
-PREFILL_TILES = {256: [(64, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2), (32, 64, 4, 2)],
-                 512: [(32, 32, 4, 2), (64, 32, 8, 2), (64, 16, 8, 3), (128, 16, 8, 2)]}
+PREFILL_TILES = {256: [(64, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2), (32, 64, 4, 2)],
+                 512: [(32, 32, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2), (64, 16, 8, 3), (128, 16, 8, 2), (128, 32, 16, 2)]}
 
 
 class Case:
@@ -151,19 +153,21 @@ def bench_decode(batches, lengths, max_ctx, dtype, device, sweep, splits) -> Non
             del case
 
 
-def bench_prefill(lengths, chunk, max_ctx, dtype, device, sweep) -> None:
-    """A chunk of one sequence's prompt, the last `chunk` of its keys: over a sliding layer's
-    window, then over a full layer's whole prefix at each length; split for a context of max_ctx,
-    as the engine's prompt graphs are."""
+def bench_prefill(lengths, chunk, max_ctx, dtype, device, sweep, prompts=1) -> None:
+    """A chunk of each of `prompts` sequences' prompts, the last `chunk` of their keys, read in
+    one call as the engine reads several prompts in one step: over a sliding layer's window, then
+    over a full layer's whole prefix at each length; split for a context of max_ctx, as the
+    engine's prompt graphs are."""
     dim, window = SLIDING
     runs = [(dim, window, min(lengths) + chunk)] + [(FULL_DIM, None, n) for n in lengths if n >= chunk]
     for d, w, n_keys in runs:
-        case = Case(1, n_keys, chunk, d, dtype, device, max_keys=max_ctx, copies=copies_for(1, n_keys, d, dtype))
-        first = n_keys - chunk  # position of the chunk's first query
-        pairs = sum(min(w or n_keys, first + t + 1) for t in range(chunk))
+        case = Case(prompts, n_keys, chunk, d, dtype, device, max_keys=max_ctx,
+                    copies=copies_for(prompts, n_keys, d, dtype))
+        first = n_keys - chunk  # position of each chunk's first query
+        pairs = prompts * sum(min(w or n_keys, first + t + 1) for t in range(chunk))
         configs = [(None, None)] + ([(None, attn.AttentionTiles(*t)) for t in PREFILL_TILES[d]] if sweep else [])
-        bench_case(f"prefill D={d} T={chunk} keys={n_keys} {f'window={w}' if w else 'causal'}", case, w,
-                            min(w + chunk - 1 if w else n_keys, n_keys), pairs, configs, device)
+        bench_case(f"prefill D={d} P={prompts} T={chunk} keys={n_keys} {f'window={w}' if w else 'causal'}", case, w,
+                   min(w + chunk - 1 if w else n_keys, n_keys), pairs, configs, device)
         del case
 
 
@@ -182,6 +186,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", default="512,4096,32768,131072", help="keys per sequence (default: %(default)s)")
     parser.add_argument("--max-ctx", type=int, default=131072, help="the context the splits are sized for")
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk tokens (default: %(default)s)")
+    parser.add_argument("--prompts", type=int, default=1,
+                        help="sequences whose prefill chunks one call reads (default: %(default)s)")
     parser.add_argument("--splits", default="", help="decode key splits to time beside the default, e.g. 1,2,4")
     args = parser.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -193,7 +199,7 @@ def main(argv=None) -> int:
     if args.only != "prefill":
         bench_decode(int_list(args.batch), lengths, args.max_ctx, dtype, device, args.sweep, int_list(args.splits))
     if args.only != "decode":
-        bench_prefill(lengths, args.chunk, args.max_ctx, dtype, device, args.sweep)
+        bench_prefill(lengths, args.chunk, args.max_ctx, dtype, device, args.sweep, args.prompts)
     return 0
 
 

@@ -32,7 +32,8 @@
 #     profile  tools/profile_step.py at 1 and 64 sequences ($PROFILE_BATCHES), and a step reading $PROFILE_PROMPTS (1) prompts
 #              that share a chunk of $PROFILE_CHUNK (512) tokens
 #     attention the paged attention kernel's decode at 1, 4, 16, 64 sequences over 512 to 131,072 keys
-#              (tools/bench_attention.py; $ATTENTION_BATCH, $ATTENTION_LENGTHS and $ATTENTION_ARGS, e.g. --sweep, change it)
+#              (tools/bench_attention.py; $ATTENTION_BATCH, $ATTENTION_LENGTHS and $ATTENTION_ARGS, e.g. --sweep, change it;
+#              ATTENTION_ONLY=prefill times prompt chunks instead, e.g. with ATTENTION_ARGS="--prompts 8 --chunk 512")
 #     chunks   qat4 bench serve at 16 and 64 clients with each of $CHUNKS (default 4096 1024 512) as the server's
 #              --prefill-chunk (the prompt tokens a step reads beside the decoding rows), alternating, $CHUNKS_RUNS rounds
 #     ab       the decode step at $AB_BATCH sequences (default 1,4,16,64; 512 tokens held each) and a 512-token
@@ -176,7 +177,7 @@ if want ab; then
     fi
 fi
 if want attention; then
-    timeout ${ATTENTION_TIMEOUT:-300} python3 tools/bench_attention.py --only decode --batch ${ATTENTION_BATCH:-1,4,16,64} \
+    timeout ${ATTENTION_TIMEOUT:-300} python3 tools/bench_attention.py --only ${ATTENTION_ONLY:-decode} --batch ${ATTENTION_BATCH:-1,4,16,64} \
         --lengths ${ATTENTION_LENGTHS:-512,32768,131072} ${ATTENTION_ARGS:-} 2>&1 | tee "$LOGS/bench_attention.log" | grep -v Warning
 fi
 if want chunks; then
