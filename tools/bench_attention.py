@@ -153,7 +153,7 @@ def bench_decode(batches, lengths, max_ctx, dtype, device, sweep, splits) -> Non
             del case
 
 
-def bench_prefill(lengths, chunk, max_ctx, dtype, device, sweep, prompts=1) -> None:
+def bench_prefill(lengths, chunk, max_ctx, dtype, device, sweep, prompts) -> None:
     """A chunk of each of `prompts` sequences' prompts, the last `chunk` of their keys, read in
     one call as the engine reads several prompts in one step: over a sliding layer's window, then
     over a full layer's whole prefix at each length; split for a context of max_ctx, as the
@@ -190,6 +190,8 @@ def main(argv=None) -> int:
                         help="sequences whose prefill chunks one call reads (default: %(default)s)")
     parser.add_argument("--splits", default="", help="decode key splits to time beside the default, e.g. 1,2,4")
     args = parser.parse_args(argv)
+    if args.prompts < 1 or any(s < 1 for s in int_list(args.splits)):
+        parser.error("--prompts and every --splits count must be at least 1")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     device = torch.device(args.device)
     torch.manual_seed(0)
