@@ -9,7 +9,7 @@
 #     kernels  the int4 kernels at E2B decode shapes: GEMV, decode-batch kernel and GEMM at 2, 16, 64 rows;
 #              the batch kernel again with one dot a step (ONE_DOT) at 16 and 64
 #     sweep    every decode-batch tiling at 4, 16 and 64 rows (tools/bench_w4.py --sweep)
-#     tests    pytest -m gpu tests/gpu
+#     tests    pytest -m gpu tests/gpu ($TESTS picks files), then the tally of tools/test_tally.sh, which outlives a timeout
 #     bench    qat4 bench: decode by depth, prompt, batched decode at 1, 4, 16, 64 sequences
 #     cap      qat4 bench under --memory-cap-mib 3732 with 131,072 tokens held
 #     tune     qat4 bench --tune (saves decode tilings to $LOGS/decode_tilings.json, used by later steps)
@@ -86,8 +86,9 @@ if want sweep; then
     done
 fi
 if want tests; then
-    timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -m gpu -q -x -p no:cacheprovider -s ${TESTS:-tests/gpu} 2>&1 \
-        | tee "$LOGS/gpu_tests.log" | grep -E "passed|failed|error|Error|KL|agree|seeded|allocated|tok/s" | tail -30
+    timeout ${TESTS_TIMEOUT:-560} python3 -m pytest -m gpu -v -x -p no:cacheprovider -s ${TESTS:-tests/gpu} >"$LOGS/gpu_tests.log" 2>&1
+    grep -E "KL|agree|seeded|allocated|tok/s" "$LOGS/gpu_tests.log" | tail -24
+    tools/test_tally.sh "$LOGS/gpu_tests.log"  # survives the timeout, which cuts pytest's own summary
 fi
 if want tune; then
     timeout ${TUNE_TIMEOUT:-300} python3 -m qat4.cli bench "${E2B[@]}" --depths 0 --new 128 --prompt 512 --tune 2>&1 | tee "$LOGS/bench_tune.log" | tail -6
