@@ -38,7 +38,7 @@ def default_rate_requests(rate: float, max_concurrency: int | None) -> int:
     time; all at once (an infinite rate), four per place when in-flight requests are limited (at
     least 16), else 64."""
     if math.isinf(rate):
-        return max(4 * max_concurrency, 16) if max_concurrency else 64
+        return default_requests(max_concurrency) if max_concurrency else 64
     return max(16, math.ceil(8 * min(rate, MAX_DEFAULT_RATE_REQUESTS / 8)))
 
 
